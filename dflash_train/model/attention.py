@@ -1,0 +1,166 @@
+"""DFlash attention: the training mask, its dense twin, the flex BlockMask, and the kernels.
+
+Training layout (one row b of the batch; S context positions, N anchors, block size B):
+  queries  q in [0, N*B)        block j = q // B, slot o = q % B, anchor a = anchors[b, j]
+  keys     kv in [0, S)         context feature of position kv (the target's taps)
+           kv in [S, S + N*B)   block token (kv - S): block (kv - S) // B, slot (kv - S) % B
+
+Mask rules (a query may attend a key iff all that apply hold):
+  1. Context is visible strictly before the anchor: kv < a. The anchor's own target hidden state
+     is never available when drafting (the anchor is the token just verified), so training must
+     not see it either.
+  2. A block sees its own block and no other: (kv - S) // B == j.
+  3. Full-attention layers are bidirectional inside the block (every slot sees every slot).
+     Sliding-window layers are causal inside the block: (kv - S) % B <= o.
+  4. Sliding-window layers see context only inside the window ending at the query's position
+     a + o: kv >= a + o - (W - 1).
+  5. A padded block (keep[b, j] False) sees only its own block, never context. Its slots carry no
+     loss and no other query can see them, so this cannot change any result; it keeps every
+     query row non-empty, which avoids NaN rows in SDPA and in the dense reference.
+
+Inference (spec 1.6): the B block queries see every cached context position and their own block;
+rules 3 and 4 apply unchanged to sliding-window layers, with the context cache in place of kv < a.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FULL = "full_attention"
+SLIDING = "sliding_attention"
+BACKENDS = ("flex", "sdpa", "dense")
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """What a mask depends on besides the anchors: the static layout of one training row."""
+
+    context_len: int  # S
+    block_size: int  # B
+    num_anchors: int  # N
+    sliding_window: int | None = None  # W for sliding_attention layers; None = full attention
+
+    @property
+    def q_len(self) -> int:
+        return self.num_anchors * self.block_size
+
+    @property
+    def kv_len(self) -> int:
+        return self.context_len + self.q_len
+
+
+def mask_rule(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, b, q, kv) -> torch.Tensor:
+    """The rules of the module docstring as tensor ops on index tensors b, q, kv.
+
+    Works elementwise for flex's `mask_mod(b, h, q, kv)` (scalar index tensors) and for the dense
+    grid by broadcasting (b [n,1,1], q [1,Q,1], kv [1,1,KV]). anchors/keep: [batch, N].
+    """
+    S, B = spec.context_len, spec.block_size
+    block = (q // B).clamp(max=spec.num_anchors - 1)  # flex may probe padded q past N*B
+    slot = q % B
+    anchor = anchors[b, block]
+    kept = keep[b, block]
+    is_ctx = kv < S
+    blk_index = (kv - S).clamp(min=0)  # clamp keeps the index math valid for context keys
+    same_block = (~is_ctx) & (blk_index // B == block)
+    ctx_ok = is_ctx & (kv < anchor) & kept
+    if spec.sliding_window is not None:
+        same_block = same_block & (blk_index % B <= slot)
+        ctx_ok = ctx_ok & (kv >= anchor + slot - (spec.sliding_window - 1))
+    return ctx_ok | same_block
+
+
+def dense_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Boolean mask [batch, 1, N*B, S+N*B] (True = attend), the reference and the SDPA input."""
+    device = anchors.device
+    b = torch.arange(anchors.shape[0], device=device)[:, None, None]
+    q = torch.arange(spec.q_len, device=device)[None, :, None]
+    kv = torch.arange(spec.kv_len, device=device)[None, None, :]
+    return mask_rule(spec, anchors, keep, b, q, kv)[:, None]  # [b, 1, Q, KV]
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_create_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
+
+
+def flex_block_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, compiled: bool = True):
+    """flex_attention BlockMask for the rules above, head-independent (H=None).
+
+    `compiled=True` builds it with a compiled `create_block_mask`, which never materialises the
+    dense Q x KV grid (the uncompiled builder does: 7 GB at 24K x 28K, speculators #731).
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def mask_mod(b, h, q, kv):
+        return mask_rule(spec, anchors, keep, b, q, kv)
+
+    build = _compiled_create_block_mask() if compiled else create_block_mask
+    return build(mask_mod, B=anchors.shape[0], H=None, Q_LEN=spec.q_len, KV_LEN=spec.kv_len,
+                 device=anchors.device)
+
+
+def build_training_masks(spec: MaskSpec, layer_types: tuple[str, ...], anchors: torch.Tensor,
+                         keep: torch.Tensor, backend: str, compiled_builder: bool = True) -> dict:
+    """One mask per layer type in use: {"full_attention": m, "sliding_attention": m}."""
+    if backend not in BACKENDS:
+        raise ValueError(f"attention backend {backend!r}: expected one of {BACKENDS}")
+    masks = {}
+    for layer_type in sorted(set(layer_types)):
+        window = spec.sliding_window if layer_type == SLIDING else None
+        typed = MaskSpec(spec.context_len, spec.block_size, spec.num_anchors, window)
+        if backend == "flex":
+            masks[layer_type] = flex_block_mask(typed, anchors, keep, compiled=compiled_builder)
+        else:
+            masks[layer_type] = dense_mask(typed, anchors, keep)
+    return masks
+
+
+def inference_mask(context_len: int, block_size: int, sliding_window: int | None,
+                   device: torch.device) -> torch.Tensor | None:
+    """Mask [1, 1, B, ctx+B] for one drafted block after `context_len` cached positions.
+
+    Full attention needs none (every cached position and the whole block are visible). The block's
+    first slot sits at position `context_len` (the anchor), so slot o is at context_len + o.
+    """
+    if sliding_window is None:
+        return None
+    q = torch.arange(block_size, device=device)[:, None]
+    kv = torch.arange(context_len + block_size, device=device)[None, :]
+    pos_q = context_len + q
+    visible = kv <= pos_q  # causal inside the block, all earlier context
+    visible &= kv >= pos_q - (sliding_window - 1)
+    return visible[None, None]
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, backend: str) -> torch.Tensor:
+    """Scaled dot-product attention with GQA. q [b, Hq, Lq, d]; k, v [b, Hkv, Lk, d].
+
+    mask: a BlockMask (flex), a boolean [b|1, 1, Lq, Lk] (sdpa, dense), or None (no mask).
+    """
+    if backend == "flex":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    if backend == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    if backend == "dense":
+        return dense_attention(q, k, v, mask)
+    raise ValueError(f"attention backend {backend!r}: expected one of {BACKENDS}")
+
+
+def dense_attention(q, k, v, mask) -> torch.Tensor:
+    """Reference attention in float32 with an explicit softmax; the slow, obviously-right path."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1).float()  # [b, Hq, Lk, d]
+    v = v.repeat_interleave(groups, dim=1).float()
+    scores = q.float() @ k.transpose(-1, -2) * q.shape[-1] ** -0.5  # [b, Hq, Lq, Lk]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return (scores.softmax(dim=-1) @ v).to(q.dtype)

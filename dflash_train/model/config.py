@@ -1,0 +1,148 @@
+"""The drafter's own configuration, derived from the target's, and validated.
+
+It carries exactly what the z-lab checkpoint format stores (spec 3.1). It never inherits
+`partial_rotary_factor`, `rope_scaling` or M-RoPE sections from the target: the drafter always
+rotates the full head with plain 1-D RoPE, and a copied partial factor makes vLLM rotate a
+quarter of the head at inference and collapses acceptance (spec 1.7).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from dflash_train.model.attention import FULL, SLIDING
+from dflash_train.model.target import build_target_layer_ids
+
+
+@dataclass(frozen=True, kw_only=True)
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    """Rows of the target's embedding table (the mask token must be one of them)."""
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    """z-lab semantics: output of target decoder layer i (HF hidden_states[i + 1])."""
+    num_target_layers: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1e6
+    max_position_embeddings: int = 32768
+    layer_types: tuple[str, ...] = ()
+    """Per layer: full_attention or sliding_attention. Empty means all full attention."""
+    sliding_window: int | None = None
+    attention_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+    """Optional z-lab keys read from a published checkpoint, carried through unchanged."""
+
+    def __post_init__(self):
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", (FULL,) * self.num_layers)
+        object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        self.validate()
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field for any setting that cannot work."""
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2 (one anchor + at least one drafted slot), got {self.block_size}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is outside the target embedding table "
+                             f"[0, {self.vocab_size}); pick a reserved id, never resize the embedding")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids is empty: at least one target layer must be tapped")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ValueError(f"target_layer_ids {list(self.target_layer_ids)}: {bad} out of range for a target "
+                             f"with {self.num_target_layers} layers (z-lab ids are 0-based decoder layers)")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+        unknown = set(self.layer_types) - {FULL, SLIDING}
+        if unknown:
+            raise ValueError(f"layer_types: unknown {sorted(unknown)}; expected {FULL} or {SLIDING}")
+        if SLIDING in self.layer_types and not self.sliding_window:
+            raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+
+    def check_target(self, target_hidden_size: int, target_num_layers: int, target_vocab_size: int) -> None:
+        """The drafter must match the target it drafts for: width, depth and embedding rows."""
+        if self.hidden_size != target_hidden_size:
+            raise ValueError(f"hidden_size {self.hidden_size} differs from the target's {target_hidden_size}: "
+                             "the drafter shares the target's embedding and lm_head, so widths must match")
+        if self.num_target_layers != target_num_layers:
+            raise ValueError(f"num_target_layers {self.num_target_layers} differs from the target's {target_num_layers}")
+        if self.vocab_size != target_vocab_size:
+            raise ValueError(f"vocab_size {self.vocab_size} differs from the target embedding rows {target_vocab_size}")
+
+
+def _text_config(target_config):
+    """Multimodal configs keep the language model's settings in `text_config`."""
+    return getattr(target_config, "text_config", None) or target_config
+
+
+def _rope_theta(cfg) -> float:
+    params = getattr(cfg, "rope_parameters", None) or {}
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return float(getattr(cfg, "rope_theta", 10000.0) or 10000.0)
+
+
+def _intermediate_size(cfg) -> int:
+    """A dense target's MLP width; for MoE targets (whose per-expert width is small) 3 x hidden."""
+    is_moe = any(getattr(cfg, k, None) for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+    if is_moe or not getattr(cfg, "intermediate_size", None):
+        return 3 * cfg.hidden_size
+    return int(cfg.intermediate_size)
+
+
+def drafter_config_from_target(target_config, *, num_layers: int, block_size: int, mask_token_id: int,
+                               target_layer_ids=None, num_taps: int = 5, sliding_window: int | None = None,
+                               vocab_size: int | None = None) -> DrafterConfig:
+    """Derive the drafter from the target: width, heads, head_dim, rope theta, eps, vocab, taps.
+
+    With `sliding_window`, all layers but the last are sliding_attention (the last stays full, as in
+    the published Qwen3.6-27B drafter).
+    """
+    cfg = _text_config(target_config)
+    heads = cfg.num_attention_heads
+    n_target = cfg.num_hidden_layers
+    ids = list(target_layer_ids) if target_layer_ids is not None else build_target_layer_ids(n_target, num_taps)
+    types = (FULL,) * num_layers
+    if sliding_window:
+        types = (SLIDING,) * (num_layers - 1) + (FULL,)
+    return DrafterConfig(
+        hidden_size=cfg.hidden_size,
+        intermediate_size=_intermediate_size(cfg),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        vocab_size=vocab_size or cfg.vocab_size,
+        block_size=block_size,
+        mask_token_id=mask_token_id,
+        target_layer_ids=tuple(ids),
+        num_target_layers=n_target,
+        rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
+        rope_theta=_rope_theta(cfg),
+        max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 32768)),
+        layer_types=types,
+        sliding_window=sliding_window,
+        attention_bias=bool(getattr(cfg, "attention_bias", False)),
+        bos_token_id=getattr(cfg, "bos_token_id", None),
+        eos_token_id=getattr(cfg, "eos_token_id", None),
+    )
+
+
+def with_block_size(cfg: DrafterConfig, block_size: int) -> DrafterConfig:
+    return replace(cfg, block_size=block_size)

@@ -1,0 +1,213 @@
+"""Drafter checkpoints in the z-lab format (spec 3.1) that vLLM and SGLang load, and the
+speculators format (spec 3.2) as an export.
+
+z-lab directory: `config.json` (a Qwen3Config plus DFlash keys) and `model.safetensors` holding
+only `layers.*`, `fc.weight`, `hidden_norm.weight`, `norm.weight` (no embedding, no lm_head: the
+engines use the target's). `block_size` is written at the top level and inside `dflash_config`;
+both places are read, as are `target_layer_ids` at the top level and a `model.` weight prefix.
+Directories are written into a temporary sibling and renamed into place, so a reader never sees a
+half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_train.model.attention import FULL
+from dflash_train.model.config import DrafterConfig
+from dflash_train.model.drafter import DFlashDrafter
+from dflash_train.model.target import build_target_layer_ids
+
+WEIGHTS = "model.safetensors"
+KNOWN_KEYS = {
+    "architectures", "model_type", "block_size", "num_target_layers", "dflash_config", "hidden_size",
+    "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling", "attention_bias", "attention_dropout",
+    "max_position_embeddings", "layer_types", "use_sliding_window", "sliding_window", "max_window_layers",
+    "tie_word_embeddings", "vocab_size", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
+    "target_layer_ids", "auto_map", "transformers_version", "initializer_range", "use_cache",
+}
+
+
+def zlab_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
+    """The config.json of a z-lab DFlash drafter (key order as in the published Qwen3-8B one)."""
+    d = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers,
+        "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
+                          "block_size": cfg.block_size},
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": None,
+        "attention_bias": cfg.attention_bias,
+        "attention_dropout": 0.0,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "layer_types": list(cfg.layer_types),
+        "use_sliding_window": cfg.sliding_window is not None,
+        "sliding_window": cfg.sliding_window,
+        "max_window_layers": cfg.num_layers,
+        "tie_word_embeddings": False,
+        "vocab_size": cfg.vocab_size,
+        "dtype": str(dtype).removeprefix("torch."),
+        "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": cfg.eos_token_id,
+    }
+    d.update(cfg.extra)
+    return d
+
+
+def drafter_config_from_zlab(d: dict, source: str = "config.json") -> DrafterConfig:
+    """Read a z-lab config dict (ours or published); errors name the file and the key."""
+    dflash = d.get("dflash_config") or {}
+    try:
+        block_size = dflash.get("block_size", d.get("block_size"))
+        n_layers = d["num_hidden_layers"]
+        n_target = d["num_target_layers"]
+        ids = dflash.get("target_layer_ids", d.get("target_layer_ids"))
+        if ids is None:
+            ids = build_target_layer_ids(n_target, n_layers)  # the old coupling: taps = layers
+        if block_size is None:
+            raise KeyError("block_size (top level or dflash_config.block_size)")
+        mask_token_id = dflash.get("mask_token_id", d.get("mask_token_id"))
+        if mask_token_id is None:
+            raise KeyError("dflash_config.mask_token_id")
+        heads = d["num_attention_heads"]
+        return DrafterConfig(
+            hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"], num_layers=n_layers,
+            num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads, vocab_size=d["vocab_size"],
+            block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=tuple(ids),
+            num_target_layers=n_target, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=d.get("rope_theta", 1e6), max_position_embeddings=d.get("max_position_embeddings", 32768),
+            layer_types=tuple(d.get("layer_types") or (FULL,) * n_layers), sliding_window=d.get("sliding_window"),
+            attention_bias=d.get("attention_bias", False), bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"), extra={k: v for k, v in d.items() if k not in KNOWN_KEYS},
+        )
+    except KeyError as e:
+        raise ValueError(f"{source}: missing key {e.args[0]}") from None
+
+
+def _replace_dir(tmp: Path, final: Path) -> None:
+    """Move a finished temporary directory into place; an old checkpoint goes only after."""
+    old = None
+    if final.exists():
+        old = final.with_name(final.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_dir(out_dir: str | Path, files: dict) -> Path:
+    """Write {name: callable(path)} into a temp dir beside out_dir, fsync, and rename into place."""
+    final = Path(out_dir)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        for name, write in files.items():
+            write(tmp / name)
+            with open(tmp / name, "rb") as f:
+                os.fsync(f.fileno())
+        _replace_dir(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def _write_json(data: dict):
+    def write(path: Path) -> None:
+        path.write_text(json.dumps(data, indent=2) + "\n")
+
+    return write
+
+
+def save_zlab(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
+              extra_files: dict | None = None) -> Path:
+    """Write config.json + model.safetensors (tensors cast to `dtype`), atomically."""
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
+    files = {"config.json": _write_json(zlab_config_dict(drafter.config, dtype)),
+             WEIGHTS: lambda p: save_file(tensors, str(p), metadata={"format": "pt"})}
+    for name, data in (extra_files or {}).items():
+        files[name] = _write_json(data)
+    return _write_dir(out_dir, files)
+
+
+def load_zlab(model_dir: str | Path, device="cpu", dtype: torch.dtype | None = None) -> DFlashDrafter:
+    """Load a z-lab drafter directory (ours or published) into a DFlashDrafter."""
+    model_dir = Path(model_dir)
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise FileNotFoundError(f"{config_path}: no config.json; is this a DFlash drafter directory?")
+    cfg = drafter_config_from_zlab(json.loads(config_path.read_text()), str(config_path))
+    tensors = {}
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights")
+    for path in files:
+        for name, t in load_file(str(path)).items():
+            tensors[name.removeprefix("model.")] = t
+    with torch.device("meta"):
+        drafter = DFlashDrafter(cfg)
+    missing = set(drafter.state_dict()) - set(tensors)
+    unexpected = set(tensors) - set(drafter.state_dict()) - {"embed_tokens.weight", "lm_head.weight"}
+    if missing or unexpected:
+        raise ValueError(f"{model_dir}: weights do not match the config: missing {sorted(missing)[:5]}, "
+                         f"unexpected {sorted(unexpected)[:5]}")
+    state = {k: tensors[k].to(dtype) if dtype else tensors[k] for k in drafter.state_dict()}
+    drafter.load_state_dict(state, assign=True)
+    return drafter.to(device)
+
+
+def speculators_config_dict(cfg: DrafterConfig, verifier: str, verifier_arch: list[str]) -> dict:
+    """speculators `DFlashSpeculator` config (spec 3.2): aux ids = z-lab ids + 1."""
+    layer_cfg = {k: v for k, v in zlab_config_dict(cfg).items()
+                 if k not in ("architectures", "block_size", "num_target_layers", "dflash_config")}
+    return {
+        "speculators_model_type": "dflash",
+        "architectures": ["DFlashSpeculator"],
+        "transformer_layer_config": layer_cfg,
+        "draft_vocab_size": cfg.vocab_size,
+        "block_size": cfg.block_size,
+        "target_hidden_size": None,
+        "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
+        "mask_token_id": cfg.mask_token_id,
+        "sliding_window_non_causal": False,
+        "sample_from_anchor": False,
+        "speculators_config": {
+            "algorithm": "dflash",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": verifier, "architectures": verifier_arch},
+        },
+        "speculators_version": "0.9.0",
+    }
+
+
+def save_speculators(drafter: DFlashDrafter, out_dir: str | Path, embed_weight: torch.Tensor,
+                     lm_head_weight: torch.Tensor, verifier: str, verifier_arch: list[str],
+                     dtype: torch.dtype = torch.bfloat16) -> Path:
+    """speculators layout: the drafter weights plus frozen copies of embed_tokens and lm_head."""
+    tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
+    tensors["embed_tokens.weight"] = embed_weight.detach().to("cpu", dtype).contiguous()
+    tensors["lm_head.weight"] = lm_head_weight.detach().to("cpu", dtype).clone().contiguous()
+    files = {"config.json": _write_json(speculators_config_dict(drafter.config, verifier, verifier_arch)),
+             WEIGHTS: lambda p: save_file(tensors, str(p), metadata={"format": "pt"})}
+    return _write_dir(out_dir, files)

@@ -1,0 +1,163 @@
+"""The DFlash training objective: position-weighted block cross-entropy, computed in chunks.
+
+For block j with anchor a_j and slot k = 1..B-1 (slot 0 is the anchor and is never predicted):
+    label[j, k]  = input_ids[a_j + k]                       (kind="ce", the paper's data token)
+                 = argmax target logits at a_j + k - 1      (kind="ce_teacher")
+    teacher      = softmax target logits at a_j + k - 1     (kind="kl": KL(teacher || drafter))
+    w_k          = exp(-(k - 1) / gamma)                    (paper eq. 4)
+    loss         = sum_{j,k} w_k * valid[j,k] * ce[j,k] / sum_{j,k} w_k * valid[j,k]
+
+The normaliser is the weight sum over the *global* batch (every micro-batch on every drafter
+rank), which the caller divides by, so a step's gradient does not depend on how the batch is split
+across ranks and micro-batches (SpecForge normalises per rank; we normalise globally so that
+1 process and N processes train identically).
+
+Memory: the lm_head and the loss run `chunk_tokens` rows at a time inside one autograd Function
+that computes dLoss/dHidden in its forward; the full [N*(B-1), V] logits never exist. Peak extra
+memory is about chunk_tokens * V * 6 bytes (fp32 logits, reused in place for the softmax, plus
+one copy in the weight dtype for the gradient matmul): 1.9 GB at chunk 2048, V = 151936. The
+saved state for backward is one gradient the size of the hidden input.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+
+
+class _LinearSoftmaxLoss(torch.autograd.Function):
+    """Per-row loss of logits = hidden @ weight.T against a label (CE) or a teacher (KL).
+
+    forward(hidden [T, H], weight [V, H], labels [T] | None, teacher [T, H] | None, chunk)
+      -> loss [T] (float32, or float64 for float64 inputs), argmax [T]
+    The weight is frozen (no gradient); the gradient w.r.t. hidden is built chunk by chunk in
+    the forward pass: d loss / d logits = softmax(logits) - target_distribution.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, teacher, chunk: int):
+        hidden = hidden.to(weight.dtype)
+        rows = hidden.shape[0]
+        acc = torch.promote_types(weight.dtype, torch.float32)  # softmax in >= float32
+        losses = hidden.new_empty(rows, dtype=acc)
+        argmax = torch.empty(rows, dtype=torch.long, device=hidden.device)
+        want_grad = ctx.needs_input_grad[0]
+        grad = torch.empty_like(hidden) if want_grad else None
+        for start in range(0, rows, chunk):
+            end = min(start + chunk, rows)
+            logits = (hidden[start:end] @ weight.T).to(acc)  # [c, V]
+            argmax[start:end] = logits.argmax(-1)
+            log_probs = logits - logits.logsumexp(-1, keepdim=True)  # [c, V]
+            if teacher is None:
+                target = labels[start:end, None]
+                losses[start:end] = -log_probs.gather(1, target).squeeze(1)
+            else:
+                t_log = (teacher[start:end].to(weight.dtype) @ weight.T).to(acc).log_softmax(-1)
+                losses[start:end] = (t_log.exp() * (t_log - log_probs)).sum(-1)
+            if want_grad:
+                d_logits = log_probs.exp_()  # softmax, in place of log_probs
+                if teacher is None:
+                    d_logits.scatter_add_(1, target, torch.full_like(target, -1.0, dtype=d_logits.dtype))
+                else:
+                    d_logits.sub_(t_log.exp())
+                grad[start:end] = d_logits.to(weight.dtype) @ weight  # [c, H]
+        ctx.mark_non_differentiable(argmax)
+        if want_grad:
+            ctx.save_for_backward(grad)
+        return losses, argmax
+
+    @staticmethod
+    def backward(ctx, grad_losses, grad_argmax):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_losses[:, None].to(grad.dtype), None, None, None, None
+
+
+def linear_softmax_loss(hidden, weight, labels=None, teacher=None, chunk: int = 2048):
+    """Chunked lm_head + CE (labels) or KL (teacher hidden, already final-normed) per row."""
+    if (labels is None) == (teacher is None):
+        raise ValueError("give exactly one of labels (cross-entropy) or teacher (KL)")
+    return _LinearSoftmaxLoss.apply(hidden, weight, labels, teacher, chunk)
+
+
+def slot_weights(block_size: int, gamma: float, device=None, dtype=torch.float32) -> torch.Tensor:
+    """w_k for slots 1..B-1: exp(-(k-1)/gamma), shape [B-1]."""
+    k = torch.arange(1, block_size, device=device, dtype=torch.float64)
+    return torch.exp(-(k - 1) / gamma).to(dtype)
+
+
+@dataclass
+class LossStats:
+    """Sums and counts of one batch; reduced across ranks by summing, divided only at the end.
+
+    Per-slot tensors have B-1 entries, for slots 1..B-1.
+    """
+
+    loss_sum: torch.Tensor  # sum of w * ce over valid slots (the objective's numerator)
+    weight_sum: torch.Tensor  # sum of w over valid slots (its denominator)
+    slot_loss_sum: torch.Tensor  # [B-1] unweighted ce summed per slot
+    slot_correct: torch.Tensor  # [B-1] argmax == label, valid slots
+    slot_count: torch.Tensor  # [B-1] valid slots
+    accepted_sum: torch.Tensor  # sum over blocks of leading correct slots (greedy acceptance)
+    block_count: torch.Tensor  # blocks with at least slot 1 valid
+
+    def flat(self) -> torch.Tensor:
+        return torch.cat([getattr(self, f.name).float().reshape(-1) for f in fields(self)])
+
+    @classmethod
+    def from_flat(cls, flat: torch.Tensor, block_size: int) -> "LossStats":
+        values, offset = {}, 0
+        for f in fields(cls):
+            size = block_size - 1 if f.name.startswith("slot_") else 1
+            part = flat[offset: offset + size]
+            values[f.name] = part if f.name.startswith("slot_") else part.reshape(())
+            offset += size
+        return cls(**values)
+
+
+def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
+               gamma: float, chunk_tokens: int = 2048, teacher_hidden: torch.Tensor | None = None
+               ) -> LossStats:
+    """Loss sums for drafter outputs hidden [b, N*B, H] against labels/valid [b, N, B].
+
+    teacher_hidden [b, N, B, H] (final-normed target hidden at a + k - 1) switches to KL; for
+    ce_teacher pass the teacher argmax as `labels` instead.
+    """
+    b, n, block = labels.shape
+    h = hidden.view(b, n, block, -1)[:, :, 1:]  # [b, N, B-1, H]: slot 0 is never predicted
+    lab = labels[:, :, 1:]
+    ok = valid[:, :, 1:]
+    teacher = None if teacher_hidden is None else teacher_hidden[:, :, 1:].reshape(-1, h.shape[-1])
+    losses, argmax = linear_softmax_loss(h.reshape(-1, h.shape[-1]), lm_head_weight,
+                                         None if teacher is not None else lab.reshape(-1), teacher, chunk_tokens)
+    losses = losses.view(b, n, block - 1)
+    okf = ok.to(losses.dtype)
+    w = slot_weights(block, gamma, hidden.device, losses.dtype) * okf  # [b, N, B-1]
+    correct = (argmax.view_as(lab) == lab) & ok
+    accepted = torch.cumprod(correct.long(), dim=-1).sum(-1)  # [b, N] leading correct slots
+    return LossStats(
+        loss_sum=(w * losses).sum(),
+        weight_sum=w.sum(),
+        slot_loss_sum=(losses * okf).sum((0, 1)).detach(),
+        slot_correct=correct.sum((0, 1)).float(),
+        slot_count=okf.sum((0, 1)),
+        accepted_sum=accepted.sum().float(),
+        block_count=ok[:, :, 0].sum().float(),
+    )
+
+
+def summarize(stats: LossStats) -> dict:
+    """Python floats from (reduced) sums: loss, per-slot accuracy, simulated tau. One host sync."""
+    flat = stats.flat().tolist()
+    s = LossStats.from_flat(torch.tensor(flat), stats.slot_count.numel() + 1)
+    count = s.slot_count.clamp(min=1)
+    acc = (s.slot_correct / count).tolist()
+    return {
+        "loss": float(s.loss_sum / max(float(s.weight_sum), 1e-9)),
+        "acc": acc,
+        "ce": (s.slot_loss_sum / count).tolist(),
+        "sim_tau": 1.0 + float(s.accepted_sum) / max(float(s.block_count), 1.0),
+        "eal": 1.0 + sum(math.prod(acc[: i + 1]) for i in range(len(acc))),
+        "blocks": float(s.block_count),
+    }

@@ -1,0 +1,91 @@
+import pytest
+import torch
+
+from dflash_train.model.attention import MaskSpec, attend, dense_mask, flex_block_mask
+
+
+def brute_force_mask(spec: MaskSpec, anchors, keep):
+    """The mask rules written as plain Python loops, independently of `mask_rule`."""
+    S, B, N, W = spec.context_len, spec.block_size, spec.num_anchors, spec.sliding_window
+    out = torch.zeros(anchors.shape[0], 1, N * B, S + N * B, dtype=torch.bool)
+    for b in range(anchors.shape[0]):
+        for q in range(N * B):
+            j, o = divmod(q, B)
+            a = int(anchors[b, j])
+            for kv in range(S + N * B):
+                if kv < S:
+                    ok = bool(keep[b, j]) and kv < a and (W is None or kv >= a + o - (W - 1))
+                else:
+                    jj, oo = divmod(kv - S, B)
+                    ok = jj == j and (W is None or oo <= o)
+                out[b, 0, q, kv] = ok
+    return out
+
+
+def random_anchors(batch, seq_len, n, n_valid, gen):
+    anchors = torch.zeros(batch, n, dtype=torch.long)
+    keep = torch.zeros(batch, n, dtype=torch.bool)
+    for b in range(batch):
+        pos = torch.randperm(seq_len - 1, generator=gen)[: n_valid[b]].sort().values
+        pos[-1] = seq_len - 2  # one anchor near the end: its block runs past the sequence
+        anchors[b, : n_valid[b]] = pos.sort().values
+        keep[b, : n_valid[b]] = True
+    return anchors, keep
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_dense_mask_equals_brute_force(window):
+    gen = torch.Generator().manual_seed(0)
+    spec = MaskSpec(context_len=23, block_size=4, num_anchors=5, sliding_window=window)
+    anchors, keep = random_anchors(2, 23, 5, [5, 3], gen)  # row 1 has two padded blocks
+    assert torch.equal(dense_mask(spec, anchors, keep), brute_force_mask(spec, anchors, keep))
+
+
+def test_mask_semantics_on_a_hand_case():
+    spec = MaskSpec(context_len=6, block_size=3, num_anchors=2)
+    anchors, keep = torch.tensor([[2, 4]]), torch.tensor([[True, False]])
+    m = dense_mask(spec, anchors, keep)[0, 0]
+    assert m[0, :6].tolist() == [True, True, False, False, False, False]  # strictly before anchor 2
+    assert m[2, 6:].tolist() == [True, True, True, False, False, False]  # own block, bidirectional
+    assert m[3, :6].sum() == 0 and m[3, 9:].tolist() == [True, True, True]  # padded: own block only
+
+
+def _qkv(gen, batch, hq, hkv, q_len, kv_len, d):
+    q = torch.randn(batch, hq, q_len, d, generator=gen)
+    k = torch.randn(batch, hkv, kv_len, d, generator=gen)
+    v = torch.randn(batch, hkv, kv_len, d, generator=gen)
+    return q, k, v
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_backends_agree(window):
+    gen = torch.Generator().manual_seed(1)
+    spec = MaskSpec(context_len=40, block_size=4, num_anchors=6, sliding_window=window)
+    anchors, keep = random_anchors(2, 40, 6, [6, 4], gen)
+    q, k, v = _qkv(gen, 2, 4, 2, spec.q_len, spec.kv_len, 16)
+    mask = dense_mask(spec, anchors, keep)
+    ref = attend(q.double(), k.double(), v.double(), mask, "dense")
+    sdpa = attend(q, k, v, mask, "sdpa")
+    torch.testing.assert_close(sdpa.double(), ref, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(sdpa).all()
+    try:
+        block_mask = flex_block_mask(spec, anchors, keep, compiled=False)
+        flex = attend(q, k, v, block_mask, "flex")
+    except Exception as e:  # flex is optional on CPU builds without it
+        pytest.skip(f"flex_attention unavailable here: {e}")
+    torch.testing.assert_close(flex.double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_flex_block_mask_matches_dense():
+    gen = torch.Generator().manual_seed(2)
+    spec = MaskSpec(context_len=37, block_size=4, num_anchors=5)
+    anchors, keep = random_anchors(1, 37, 5, [4], gen)
+    try:
+        block_mask = flex_block_mask(spec, anchors, keep, compiled=False)
+    except Exception as e:
+        pytest.skip(f"flex_attention unavailable here: {e}")
+    b = torch.zeros((), dtype=torch.long)
+    dense = dense_mask(spec, anchors, keep)[0, 0]
+    q_idx = torch.arange(spec.q_len)[:, None]
+    kv_idx = torch.arange(spec.kv_len)[None, :]
+    assert torch.equal(block_mask.mask_mod(b, b, q_idx, kv_idx), dense)
