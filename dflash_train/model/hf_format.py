@@ -12,14 +12,12 @@ half-written checkpoint.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash_train.atomic import atomic_dir
 from dflash_train.model.attention import FULL
 from dflash_train.model.config import DrafterConfig
 from dflash_train.model.drafter import DFlashDrafter
@@ -103,33 +101,12 @@ def drafter_config_from_zlab(d: dict, source: str = "config.json") -> DrafterCon
         raise ValueError(f"{source}: missing key {e.args[0]}") from None
 
 
-def _replace_dir(tmp: Path, final: Path) -> None:
-    """Move a finished temporary directory into place; an old checkpoint goes only after."""
-    old = None
-    if final.exists():
-        old = final.with_name(final.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.rename(final, old)
-    os.rename(tmp, final)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def _write_dir(out_dir: str | Path, files: dict) -> Path:
-    """Write {name: callable(path)} into a temp dir beside out_dir, fsync, and rename into place."""
-    final = Path(out_dir)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-    try:
+    """Write {name: callable(path)} into a temporary directory renamed to out_dir when complete."""
+    with atomic_dir(out_dir) as tmp:
         for name, write in files.items():
             write(tmp / name)
-            with open(tmp / name, "rb") as f:
-                os.fsync(f.fileno())
-        _replace_dir(tmp, final)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+    return Path(out_dir)
 
 
 def _write_json(data: dict):

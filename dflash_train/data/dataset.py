@@ -1,0 +1,77 @@
+"""From `data.train` to tokenized training and held-out samples, cached on disk.
+
+Order: read conversations (bad rows: error with location, or counted with --skip-bad-rows);
+optionally regenerate the assistant turns with the target (append-only, resumable cache); tokenize
+with the target's chat template and an assistant-only loss mask; split off a held-out fraction by
+a hash of the id (stable whatever the sample count). The tokenized result is cached as JSONL keyed
+by everything it depends on, written atomically by the main process; other ranks wait and read it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from dflash_train import atomic
+from dflash_train.config import DataConfig
+from dflash_train.train.batching import Sample
+
+
+def _is_heldout(sample_id: str, fraction: float) -> bool:
+    h = int.from_bytes(hashlib.blake2b(sample_id.encode(), digest_size=4).digest(), "little")
+    return h / 2**32 < fraction
+
+
+def cache_key(cfg: DataConfig, target_name: str, seed: int) -> str:
+    parts = json.dumps([cfg.train, cfg.max_len, cfg.min_loss_tokens, cfg.thinking, cfg.max_samples, cfg.regenerate,
+                        cfg.regen_max_new_tokens, target_name, seed, 2], sort_keys=True)
+    return hashlib.sha256(parts.encode()).hexdigest()[:16]
+
+
+def prepare_samples(cfg: DataConfig, target, target_name: str, work_dir: Path, seed: int, log=print) -> Path:
+    """Build the tokenized sample cache (main process only) and return its path."""
+    from dflash_train.data.conversations import read_conversations, tokenize_conversations
+
+    path = work_dir / f"samples-{cache_key(cfg, target_name, seed)}.jsonl"
+    if path.exists():
+        log(f"data: using cached samples {path}")
+        return path
+    conversations, bad = read_conversations(cfg.train, skip_bad_rows=cfg.skip_bad_rows,
+                                            max_samples=cfg.max_samples, seed=seed)
+    log(f"data: {len(conversations)} conversations from {cfg.train}; {bad.summary()}")
+    if cfg.regenerate:
+        conversations = regenerate_cached(cfg, target, target_name, conversations, work_dir, seed, log)
+    samples, bad = tokenize_conversations(target.tokenizer, conversations, cfg.max_len, cfg.min_loss_tokens,
+                                          cfg.thinking, bad)
+    log(f"data: {len(samples)} tokenized samples; {bad.summary()}")
+    if not samples:
+        raise ValueError(f"data {cfg.train!r}: no usable samples ({bad.summary()})")
+    atomic.write_text(path, "".join(json.dumps({"id": s.id, "input_ids": s.input_ids, "loss_mask": s.loss_mask})
+                                    + "\n" for s in samples))
+    return path
+
+
+def regenerate_cached(cfg: DataConfig, target, target_name: str, conversations, work_dir: Path, seed: int, log):
+    """Responses by the target (greedy), cached in an append-only file that resumes."""
+    from dflash_train.data.conversations import Conversation
+    from dflash_train.data.regenerate import regenerate
+
+    key = hashlib.sha256(json.dumps([cfg.train, target_name, cfg.regen_max_new_tokens, cfg.thinking,
+                                     cfg.max_samples, seed]).encode()).hexdigest()[:16]
+    out = work_dir / f"regenerated-{key}.jsonl"
+    report = regenerate(target, conversations, out, max_new_tokens=cfg.regen_max_new_tokens,
+                        batch_size=cfg.regen_batch_size, thinking=cfg.thinking, seed=seed)
+    log(f"data: regenerated responses in {out} ({report})")
+    wanted = {c.id for c in conversations}
+    rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+    return [Conversation(r["id"], r["messages"]) for r in rows if r["id"] in wanted]
+
+
+def load_samples(path: Path, eval_fraction: float) -> tuple[list[Sample], list[Sample]]:
+    train, held_out = [], []
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        sample = Sample(row["id"], tuple(row["input_ids"]), tuple(row["loss_mask"]))
+        (held_out if _is_heldout(sample.id, eval_fraction) else train).append(sample)
+    return train, held_out

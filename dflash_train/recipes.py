@@ -1,0 +1,51 @@
+"""Named runs: Python functions that derive a RunConfig from the defaults in config.py."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from dflash_train.config import RunConfig
+
+
+def paper() -> RunConfig:
+    """The paper's recipe (Qwen3 targets): 5 layers, block 16, 512 anchors, seq 3072, 6 epochs."""
+    return RunConfig()
+
+
+def default() -> RunConfig:
+    """The embedded CPU quickstart: SmolLM2-135M-Instruct target, chitchat + assistant-style
+    prompts with target-regenerated responses, a small drafter at the target's width, a
+    wall-clock budget, then real speculative decoding on held-out prompts."""
+    base = RunConfig()
+    return replace(
+        base,
+        drafter=replace(base.drafter, num_layers=2, block_size=8),
+        data=replace(base.data, max_len=384, max_samples=1200, regen_max_new_tokens=160, regen_batch_size=16),
+        train=replace(base.train, out_dir="runs/default", epochs=20, seqs_per_step=8, num_anchors=48,
+                      max_minutes=8.0, log_every=5, eval_every=50, ckpt_every=50),
+        optim=replace(base.optim, lr=1e-3),
+        eval=replace(base.eval, num_prompts=16, max_new_tokens=96),
+    )
+
+
+def tiny() -> RunConfig:
+    """A few-step smoke run (tests, CI): tiny data, 1 layer, block 4."""
+    base = default()
+    return replace(
+        base,
+        drafter=replace(base.drafter, num_layers=1, block_size=4),
+        data=replace(base.data, max_samples=24, max_len=128, regen_max_new_tokens=24, regen_batch_size=8,
+                     eval_fraction=0.2),
+        train=replace(base.train, out_dir="runs/tiny", epochs=1, max_steps=4, max_minutes=None, seqs_per_step=4,
+                      num_anchors=8, log_every=1, eval_every=2, ckpt_every=2, tensorboard=False),
+        eval=replace(base.eval, num_prompts=2, max_new_tokens=16, sim_anchors_per_seq=8),
+    )
+
+
+RECIPES = {"default": default, "paper": paper, "tiny": tiny}
+
+
+def get(name: str) -> RunConfig:
+    if name not in RECIPES:
+        raise ValueError(f"unknown recipe {name!r}; available: {', '.join(RECIPES)}")
+    return RECIPES[name]()

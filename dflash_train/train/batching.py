@@ -1,0 +1,129 @@
+"""Which samples each step uses, and how they are split into micro-batches and routed.
+
+Every rank holds the same tokenized sample list and the same `StepSampler`, so every rank knows,
+without talking, the sample ids of every micro-batch of every step: drafter ranks know which taps
+they will receive and their shapes; target ranks know what to compute and for whom. That is what
+makes the disaggregated run reproduce the colocated one exactly.
+
+Step s of epoch e takes `seqs_per_step` samples from a permutation seeded by (seed, e). The
+drafter rank d gets the d-th slice of them, cut into `accum` micro-batches of `micro_batch`.
+Micro-batch i = d * accum + m of a step is computed by target rank i % T.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dflash_train.data.anchors import anchor_generator, sample_anchors
+
+
+@dataclass(frozen=True)
+class Sample:
+    id: str
+    input_ids: tuple[int, ...]
+    loss_mask: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    seqs_per_step: int
+    micro_batch: int
+    num_drafters: int
+
+    def __post_init__(self):
+        per_rank = self.micro_batch * self.num_drafters
+        if self.seqs_per_step % per_rank:
+            raise ValueError(f"train.seqs_per_step={self.seqs_per_step} is not a multiple of micro_batch "
+                             f"({self.micro_batch}) x drafter ranks ({self.num_drafters})")
+
+    @property
+    def accum(self) -> int:
+        """Micro-batches per drafter rank per step (gradient accumulation)."""
+        return self.seqs_per_step // (self.micro_batch * self.num_drafters)
+
+    def micro_batches(self, step_indices: list[int]) -> list[list[int]]:
+        """All micro-batches of a step, ordered by (drafter, micro index); i = d * accum + m."""
+        mb = self.micro_batch
+        return [step_indices[i * mb:(i + 1) * mb] for i in range(len(step_indices) // mb)]
+
+    def for_drafter(self, step_indices: list[int], drafter_index: int) -> list[list[int]]:
+        all_mbs = self.micro_batches(step_indices)
+        return all_mbs[drafter_index * self.accum:(drafter_index + 1) * self.accum]
+
+
+class StepSampler:
+    """Deterministic (epoch, step) -> sample indices, with an exact resumable cursor."""
+
+    def __init__(self, num_samples: int, seqs_per_step: int, seed: int):
+        if num_samples < seqs_per_step:
+            raise ValueError(f"{num_samples} training samples cannot fill one step of {seqs_per_step} sequences")
+        self.num_samples, self.seqs_per_step, self.seed = num_samples, seqs_per_step, seed
+        self.epoch, self.step_in_epoch = 0, 0
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.num_samples // self.seqs_per_step  # the last partial step is dropped
+
+    def _permutation(self, epoch: int) -> torch.Tensor:
+        return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed * 1000 + epoch))
+
+    def next(self) -> tuple[int, list[int]]:
+        """(epoch, indices) of the next step; advances the cursor."""
+        if self.step_in_epoch >= self.steps_per_epoch:
+            self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        start = self.step_in_epoch * self.seqs_per_step
+        indices = self._permutation(self.epoch)[start:start + self.seqs_per_step].tolist()
+        self.step_in_epoch += 1
+        return self.epoch, indices
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "num_samples": self.num_samples}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_samples"] != self.num_samples:
+            raise ValueError(f"resume: the checkpoint's data had {state['num_samples']} samples, this run has "
+                             f"{self.num_samples}; resume needs the same data")
+        self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
+
+
+def padded_length(lengths: list[int], multiple: int, max_len: int) -> int:
+    """Pad to a multiple (few distinct shapes -> few compiles); never beyond max_len."""
+    longest = max(lengths)
+    return min(max_len, -(-longest // multiple) * multiple) if multiple > 1 else longest
+
+
+@dataclass
+class MicroBatch:
+    """Host tensors of one micro-batch; `taps` is filled by a taps source."""
+
+    ids: list[str]
+    input_ids: torch.Tensor  # [b, S] int64, right-padded with 0
+    loss_mask: torch.Tensor  # [b, S] int64
+    attention_mask: torch.Tensor  # [b, S] int64
+    anchors: torch.Tensor  # [b, N] int64, sorted
+    keep: torch.Tensor  # [b, N] bool
+    taps: torch.Tensor | None = None  # [b, S, K*H]
+
+
+def collate(samples: list[Sample], epoch: int, seed: int, num_anchors: int, pad_multiple: int,
+            max_len: int) -> MicroBatch:
+    """Right-pad samples to a common length and draw their anchors for this epoch."""
+    seq_len = padded_length([len(s) for s in samples], pad_multiple, max_len)
+    b = len(samples)
+    input_ids = torch.zeros(b, seq_len, dtype=torch.long)
+    loss_mask = torch.zeros(b, seq_len, dtype=torch.long)
+    attention = torch.zeros(b, seq_len, dtype=torch.long)
+    anchors = torch.zeros(b, num_anchors, dtype=torch.long)
+    keep = torch.zeros(b, num_anchors, dtype=torch.bool)
+    for row, s in enumerate(samples):
+        n = min(len(s), seq_len)
+        input_ids[row, :n] = torch.tensor(s.input_ids[:n])
+        loss_mask[row, :n] = torch.tensor(s.loss_mask[:n])
+        attention[row, :n] = 1
+        anchors[row], keep[row] = sample_anchors(loss_mask[row], num_anchors, anchor_generator(seed, epoch, s.id))
+    return MicroBatch([s.id for s in samples], input_ids, loss_mask, attention, anchors, keep)

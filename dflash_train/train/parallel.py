@@ -1,0 +1,54 @@
+"""Apply compilation and data parallelism to a pure drafter, in this order: compile, then DDP.
+
+The model file knows nothing of either. Compilation happens once per process (never in threads),
+with static shapes, and writes its kernels to a shared on-disk inductor cache so later processes
+(other ranks, a resumed job) reuse them instead of compiling again.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+
+def use_shared_compile_cache(cache_dir: str | Path) -> Path:
+    """Point inductor's FX-graph and AOT-autograd caches at one directory for all processes."""
+    path = Path(cache_dir).expanduser()
+    path.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(path))
+    os.environ.setdefault("TORCHINDUCTOR_FX_GRAPH_CACHE", "1")
+    os.environ.setdefault("TORCHINDUCTOR_AUTOGRAD_CACHE", "1")
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
+def resolve_compile(setting: str, device: torch.device) -> bool:
+    if setting not in ("auto", "on", "off"):
+        raise ValueError(f"train.compile={setting!r}: expected auto, on or off")
+    return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+
+def resolve_backend(setting: str, device: torch.device) -> str:
+    """flex on CUDA (compiled), sdpa with a dense mask on CPU; explicit settings win."""
+    if setting == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if setting not in ("flex", "sdpa", "dense"):
+        raise ValueError(f"train.attention={setting!r}: expected auto, flex, sdpa or dense")
+    return setting
+
+
+def parallelize(drafter: nn.Module, *, device: torch.device, compile_model: bool, dp_group, num_drafters: int,
+                recompile_limit: int = 16) -> nn.Module:
+    """Return the module the training step calls: compiled (optional), wrapped in DDP if D > 1."""
+    model = drafter
+    if compile_model:
+        torch._dynamo.config.recompile_limit = recompile_limit  # shape buckets; each is one graph
+        model = torch.compile(drafter, dynamic=False)
+    if num_drafters > 1:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, process_group=dp_group,
+                    broadcast_buffers=False, gradient_as_bucket_view=True)
+    return model

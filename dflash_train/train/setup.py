@@ -1,0 +1,125 @@
+"""The pieces `train()` assembles: target, drafter, samples, held-out batches, resume.
+
+Kept apart from the loop so `loop.py` reads top to bottom; every function here is plain setup
+with no hidden state.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dflash_train.config import RunConfig, derived_gamma
+from dflash_train.data.anchors import all_anchors
+from dflash_train.model.config import DrafterConfig, drafter_config_from_target
+from dflash_train.model.drafter import DFlashDrafter
+from dflash_train.train.batching import MicroBatch, Sample, padded_length
+from dflash_train.train.topology import Topology
+
+
+def build_drafter_config(cfg: RunConfig, target) -> DrafterConfig:
+    from dflash_train.model.target import resolve_mask_token_id
+
+    mask_id = resolve_mask_token_id(target.tokenizer, target.vocab_size, cfg.drafter.mask_token_id)
+    dcfg = drafter_config_from_target(target.config, num_layers=cfg.drafter.num_layers,
+                                      block_size=cfg.drafter.block_size, mask_token_id=mask_id,
+                                      target_layer_ids=cfg.target.layer_ids, num_taps=cfg.drafter.num_taps,
+                                      sliding_window=cfg.drafter.sliding_window, vocab_size=target.vocab_size)
+    dcfg.check_target(target.hidden_size, target.num_layers, target.vocab_size)
+    return dcfg
+
+
+def init_drafter(dcfg: DrafterConfig, target, seed: int, from_target: bool, device) -> DFlashDrafter:
+    """Seeded HF-style init; with `from_target`, the final norm copies the target's, so the frozen
+    lm_head sees inputs at the scale it was trained on (sensible initial logit scale), and each
+    drafter layer copies the matching weights of one of the target's last layers where shapes
+    agree (q_norm/k_norm, absent in Llama targets, stay at one)."""
+    drafter = DFlashDrafter(dcfg)
+    drafter.reset_parameters(generator=torch.Generator().manual_seed(seed))
+    if from_target:
+        _copy_from_target(drafter, target)
+    return drafter.to(device=device, dtype=torch.float32)
+
+
+def _copy_from_target(drafter: DFlashDrafter, target) -> None:
+    with torch.no_grad():
+        norm = getattr(target.final_norm, "weight", None)
+        if norm is not None and norm.shape == drafter.norm.weight.shape:
+            drafter.norm.weight.copy_(norm.float())
+        source_layers = list(target.layers)[-len(drafter.layers):]
+        for ours, theirs in zip(drafter.layers, source_layers):
+            theirs_state = theirs.state_dict()
+            for name, param in ours.state_dict().items():
+                src = theirs_state.get(name)
+                if src is not None and src.shape == param.shape:
+                    param.copy_(src.float())
+
+
+def load_or_build_samples(cfg: RunConfig, target, topo: Topology, work_dir: Path, log):
+    """The main drafter rank prepares (and caches) the samples; every other rank waits, then reads."""
+    from dflash_train.data.dataset import load_samples, prepare_samples
+
+    path = None
+    if topo.is_main or not topo.distributed:
+        path = prepare_samples(cfg.data, target, cfg.target.model, work_dir, cfg.train.seed, log)
+    if topo.distributed:
+        holder = [str(path) if path else None]
+        dist.broadcast_object_list(holder, src=topo.drafter_ranks[0])
+        path = Path(holder[0])
+    return load_samples(path, cfg.data.eval_fraction)
+
+
+def eval_batches(samples: list[Sample], num_anchors: int, pad_multiple: int, max_len: int,
+                 max_samples: int = 32) -> list[MicroBatch]:
+    """Held-out micro-batches of one sample each, with deterministic anchors (simulated tau)."""
+    out = []
+    for s in samples[:max_samples]:
+        seq_len = padded_length([len(s)], pad_multiple, max_len)
+        ids = torch.zeros(1, seq_len, dtype=torch.long)
+        mask = torch.zeros(1, seq_len, dtype=torch.long)
+        attn = torch.zeros(1, seq_len, dtype=torch.long)
+        n = min(len(s), seq_len)
+        ids[0, :n], mask[0, :n], attn[0, :n] = torch.tensor(s.input_ids[:n]), torch.tensor(s.loss_mask[:n]), 1
+        anchors, keep = all_anchors(mask[0], num_anchors)
+        out.append(MicroBatch([s.id], ids, mask, attn, anchors[None], keep[None]))
+    return out
+
+
+def gamma_of(cfg: RunConfig) -> float:
+    return derived_gamma(cfg.drafter.block_size, cfg.loss.gamma)
+
+
+def total_steps_of(cfg: RunConfig, steps_per_epoch: int) -> int:
+    by_epochs = cfg.train.epochs * steps_per_epoch
+    return min(by_epochs, cfg.train.max_steps) if cfg.train.max_steps else by_epochs
+
+
+def validate_run(cfg: RunConfig, topo: Topology) -> None:
+    if cfg.loss.kind != "ce":
+        raise ValueError(f"loss.kind={cfg.loss.kind!r}: the training pipeline supports 'ce' so far; the teacher "
+                         "losses exist in train/loss.py (block_loss with teacher_hidden / teacher argmax labels)")
+    if topo.mode == "disaggregated" and cfg.train.max_minutes:
+        raise ValueError("train.max_minutes needs mode=colocated: target ranks must know the step count in "
+                         "advance; set train.max_steps instead")
+    if topo.mode == "offline":
+        raise ValueError("topology.mode=offline: not wired into train yet; use dflash-train prepare + colocated")
+
+
+def describe(cfg: RunConfig, dcfg: DrafterConfig, topo: Topology, n_train: int, n_eval: int, total: int,
+             accum: int, backend: str, compiled: bool, taps_bytes_per_token: int) -> str:
+    lines = [
+        f"topology    {topo.describe()}",
+        f"target      {cfg.target.model}: taps after layers {list(dcfg.target_layer_ids)} of {dcfg.num_target_layers}"
+        f" (z-lab ids; vLLM aux ids {[i + 1 for i in dcfg.target_layer_ids]}), {taps_bytes_per_token} bytes/token",
+        f"drafter     {dcfg.num_layers} layers x {dcfg.hidden_size}, heads {dcfg.num_heads}/{dcfg.num_kv_heads}, "
+        f"block {dcfg.block_size}, mask token {dcfg.mask_token_id}, layer types {sorted(set(dcfg.layer_types))}",
+        f"data        {n_train} train / {n_eval} held-out samples, max_len {cfg.data.max_len}",
+        f"batch       {cfg.train.seqs_per_step} seqs/step = {cfg.train.micro_batch} per micro-batch x {accum} accum x "
+        f"{topo.num_drafters} drafter rank(s); {cfg.train.num_anchors} anchors/seq (<= eligible positions)",
+        f"schedule    {total} steps, lr {cfg.optim.lr} cosine, warm-up {cfg.optim.warmup_ratio:.0%}, clip "
+        f"{cfg.optim.grad_clip}, gamma {gamma_of(cfg)}",
+        f"kernels     attention={backend}, compile={'on' if compiled else 'off'}",
+    ]
+    return "\n".join(lines)

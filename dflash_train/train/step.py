@@ -1,0 +1,106 @@
+"""One optimizer step of the drafter over its micro-batches, and the forward it is made of.
+
+The step's loss is normalised by the loss-weight sum of the *global* batch (all micro-batches of
+all drafter ranks), which depends only on the data, so it is known before the forward: one small
+all-reduce per step, no host sync inside the step. DDP averages gradients over D ranks, hence
+the factor D in `scale`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dflash_train.data.anchors import block_inputs, block_labels, position_ids
+from dflash_train.model.attention import MaskSpec, build_training_masks
+from dflash_train.train.batching import MicroBatch
+from dflash_train.train.loss import LossStats, block_loss, slot_weights
+
+
+@dataclass(frozen=True)
+class StepContext:
+    """Everything the step needs that does not change between steps."""
+
+    embed_weight: torch.Tensor  # the target's input embedding, frozen
+    lm_head_weight: torch.Tensor  # the target's lm_head (== embed_weight when tied), frozen
+    block_size: int
+    mask_token_id: int
+    layer_types: tuple[str, ...]
+    sliding_window: int | None
+    gamma: float
+    chunk_tokens: int
+    backend: str
+    device: torch.device
+    autocast_dtype: torch.dtype | None  # bf16 on GPU; None on CPU (fp32)
+    dp_group: object = None  # drafter process group; None for one drafter
+    num_drafters: int = 1
+
+
+def to_device(mb: MicroBatch, device) -> dict:
+    return {k: getattr(mb, k).to(device, non_blocking=True)
+            for k in ("input_ids", "loss_mask", "anchors", "keep", "taps")}
+
+
+def loss_weight_sum(mb: MicroBatch, ctx: StepContext) -> torch.Tensor:
+    """Sum of w_k over the valid slots of a micro-batch (the loss denominator's share)."""
+    _, valid = block_labels(mb.input_ids, mb.loss_mask, mb.anchors, mb.keep, ctx.block_size)
+    w = slot_weights(ctx.block_size, ctx.gamma, dtype=torch.float64)
+    return (valid[:, :, 1:].double() * w).sum()
+
+
+def forward_stats(model, batch: dict, ctx: StepContext) -> LossStats:
+    """Drafter forward + loss sums for one micro-batch already on the device."""
+    input_ids, anchors, keep, taps = batch["input_ids"], batch["anchors"], batch["keep"], batch["taps"]
+    seq_len, num_anchors = input_ids.shape[1], anchors.shape[1]
+    labels, valid = block_labels(input_ids, batch["loss_mask"], anchors, keep, ctx.block_size)
+    block_embeds = F.embedding(block_inputs(input_ids, anchors, ctx.block_size, ctx.mask_token_id),
+                               ctx.embed_weight)  # [b, N*B, H]
+    spec = MaskSpec(seq_len, ctx.block_size, num_anchors, ctx.sliding_window)
+    masks = build_training_masks(spec, ctx.layer_types, anchors, keep, ctx.backend)
+    autocast = (torch.autocast(ctx.device.type, dtype=ctx.autocast_dtype) if ctx.autocast_dtype
+                else contextlib.nullcontext())
+    with autocast:
+        hidden = model(block_embeds, taps, position_ids(seq_len, anchors, ctx.block_size), masks, ctx.backend)
+        return block_loss(hidden, ctx.lm_head_weight, labels, valid, ctx.gamma, ctx.chunk_tokens)
+
+
+def global_weight_sum(mbs: list[MicroBatch], ctx: StepContext) -> torch.Tensor:
+    total = sum(loss_weight_sum(mb, ctx) for mb in mbs).to(ctx.device)
+    if ctx.num_drafters > 1:
+        dist.all_reduce(total, group=ctx.dp_group)
+    return total
+
+
+def train_step(model, optimizer, scheduler, mbs: list[MicroBatch], ctx: StepContext, grad_clip: float
+               ) -> tuple[LossStats, torch.Tensor]:
+    """Forward/backward over the micro-batches (gradient accumulation), clip, optimizer step.
+
+    Returns the summed LossStats of this rank and the pre-clip gradient norm (device tensors).
+    """
+    scale = ctx.num_drafters / global_weight_sum(mbs, ctx).clamp(min=1e-9)
+    total = None
+    for i, mb in enumerate(mbs):
+        last = i == len(mbs) - 1
+        sync = model.no_sync() if hasattr(model, "no_sync") and not last else contextlib.nullcontext()
+        with sync:
+            stats = forward_stats(model, to_device(mb, ctx.device), ctx)
+            (stats.loss_sum * scale.to(stats.loss_sum.dtype)).backward()
+        detached = LossStats(**{k: v.detach() for k, v in vars(stats).items()})
+        total = detached if total is None else LossStats(**{k: getattr(total, k) + v for k, v in vars(detached).items()})
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return total, grad_norm
+
+
+def reduce_stats(stats: LossStats, ctx: StepContext, block_size: int) -> LossStats:
+    """Sum LossStats over the drafter ranks in one flat all-reduce."""
+    flat = stats.flat()
+    if ctx.num_drafters > 1:
+        dist.all_reduce(flat, group=ctx.dp_group)
+    return LossStats.from_flat(flat, block_size)

@@ -1,0 +1,112 @@
+"""Who does what: an explicit, validated topology built from torchrun's environment.
+
+One process per device, always; this module never starts threads or processes. Roles:
+  colocated      every rank runs the target, then its drafter step (1 rank = one GPU or the CPU)
+  disaggregated  ranks [0, T) run the target and send taps; ranks [T, world) train the drafter
+  offline        every rank trains from stored hidden-state shards; no target forward
+Drafter ranks train data-parallel among themselves (their own process group).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+MODES = ("colocated", "disaggregated", "offline")
+
+
+@dataclass(frozen=True)
+class Topology:
+    mode: str
+    world_size: int
+    rank: int
+    local_rank: int
+    num_target_ranks: int  # ranks that run the target and only that (disaggregated)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"topology.mode {self.mode!r}: expected one of {MODES}")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank {self.rank} outside world size {self.world_size}")
+        if self.mode == "disaggregated":
+            if self.world_size < 2:
+                raise ValueError("topology.mode=disaggregated needs at least 2 processes (1 target + 1 drafter); "
+                                 "run under torchrun --nproc_per_node=N, or use mode=colocated")
+            if not 1 <= self.num_target_ranks < self.world_size:
+                raise ValueError(f"topology.target_ranks={self.num_target_ranks} must be in [1, {self.world_size - 1}]"
+                                 f" for a world of {self.world_size} (at least one drafter rank)")
+
+    @property
+    def target_ranks(self) -> list[int]:
+        return list(range(self.num_target_ranks)) if self.mode == "disaggregated" else []
+
+    @property
+    def drafter_ranks(self) -> list[int]:
+        return list(range(len(self.target_ranks), self.world_size))
+
+    @property
+    def is_target(self) -> bool:
+        return self.rank in self.target_ranks
+
+    @property
+    def runs_target_forward(self) -> bool:
+        return self.mode == "colocated" or self.is_target
+
+    @property
+    def num_drafters(self) -> int:
+        return len(self.drafter_ranks)
+
+    @property
+    def drafter_index(self) -> int:
+        """Position among the drafter ranks (its data-parallel rank); -1 on target ranks."""
+        return self.drafter_ranks.index(self.rank) if self.rank in self.drafter_ranks else -1
+
+    @property
+    def is_main(self) -> bool:
+        """The drafter rank that logs, evaluates and writes checkpoints."""
+        return self.drafter_index == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def describe(self) -> str:
+        if self.mode == "disaggregated":
+            return f"disaggregated: {self.num_target_ranks} target rank(s) -> {self.num_drafters} drafter rank(s)"
+        return f"{self.mode}: {self.world_size} rank(s), each {'target + drafter' if self.mode == 'colocated' else 'drafter from shards'}"
+
+
+def topology_from_env(mode: str, target_ranks: int) -> Topology:
+    """Read RANK / WORLD_SIZE / LOCAL_RANK (torchrun); a plain run is a world of one."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return Topology(mode=mode, world_size=world, rank=int(os.environ.get("RANK", "0")),
+                    local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+                    num_target_ranks=target_ranks if mode == "disaggregated" else 0)
+
+
+def pick_device(topo: Topology) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(topo.local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def init_distributed(topo: Topology, device: torch.device, timeout_s: float = 1800.0):
+    """Start the process group (NCCL on GPU, gloo on CPU); return the drafter ranks' group.
+
+    The drafter group carries gradient all-reduces and the per-step metric sums; on a world of
+    one there is no process group and the function returns None.
+    """
+    if not topo.distributed:
+        return None
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        kwargs = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    if topo.mode != "disaggregated":
+        return dist.group.WORLD
+    return dist.new_group(topo.drafter_ranks)
