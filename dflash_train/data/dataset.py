@@ -29,7 +29,8 @@ def cache_key(cfg: DataConfig, target_name: str, seed: int) -> str:
     return hashlib.sha256(parts.encode()).hexdigest()[:16]
 
 
-def prepare_samples(cfg: DataConfig, target, target_name: str, work_dir: Path, seed: int, log=print) -> Path:
+def prepare_samples(cfg: DataConfig, target, target_name: str, work_dir: Path, seed: int, log=print,
+                    heartbeat=None) -> Path:
     """Build the tokenized sample cache (main process only) and return its path."""
     from dflash_train.data.conversations import read_conversations, tokenize_conversations
 
@@ -41,7 +42,7 @@ def prepare_samples(cfg: DataConfig, target, target_name: str, work_dir: Path, s
                                             max_samples=cfg.max_samples, seed=seed)
     log(f"data: {len(conversations)} conversations from {cfg.train}; {bad.summary()}")
     if cfg.regenerate:
-        conversations = regenerate_cached(cfg, target, target_name, conversations, work_dir, seed, log)
+        conversations = regenerate_cached(cfg, target, target_name, conversations, work_dir, seed, log, heartbeat)
     samples, bad = tokenize_conversations(target.tokenizer, conversations, cfg.max_len, cfg.min_loss_tokens,
                                           cfg.thinking, bad)
     log(f"data: {len(samples)} tokenized samples; {bad.summary()}")
@@ -52,7 +53,8 @@ def prepare_samples(cfg: DataConfig, target, target_name: str, work_dir: Path, s
     return path
 
 
-def regenerate_cached(cfg: DataConfig, target, target_name: str, conversations, work_dir: Path, seed: int, log):
+def regenerate_cached(cfg: DataConfig, target, target_name: str, conversations, work_dir: Path, seed: int, log,
+                      heartbeat=None):
     """Responses by the target (greedy), cached in an append-only file that resumes."""
     from dflash_train.data.conversations import Conversation
     from dflash_train.data.regenerate import regenerate
@@ -61,7 +63,8 @@ def regenerate_cached(cfg: DataConfig, target, target_name: str, conversations, 
                                      cfg.max_samples, seed]).encode()).hexdigest()[:16]
     out = work_dir / f"regenerated-{key}.jsonl"
     report = regenerate(target, conversations, out, max_new_tokens=cfg.regen_max_new_tokens,
-                        batch_size=cfg.regen_batch_size, thinking=cfg.thinking, seed=seed)
+                        batch_size=cfg.regen_batch_size, thinking=cfg.thinking, seed=seed,
+                        on_batch=(lambda b: heartbeat(f"regenerate batch {b}")) if heartbeat else None)
     log(f"data: regenerated responses in {out} ({report})")
     wanted = {c.id for c in conversations}
     rows = [json.loads(line) for line in out.read_text().splitlines() if line.strip()]

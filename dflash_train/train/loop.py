@@ -9,6 +9,7 @@ decoding on held-out prompts. Every process runs a watchdog; SIGTERM/SIGINT chec
 from __future__ import annotations
 
 import dataclasses
+import os
 import signal
 import time
 from pathlib import Path
@@ -31,6 +32,22 @@ from dflash_train.train.step import StepContext, forward_stats, reduce_stats, tr
 from dflash_train.train.topology import init_distributed, pick_device, topology_from_env
 
 PAD_MULTIPLE = 64  # sequence lengths are padded to this multiple: few shapes, few compiles
+SETUP_WATCHDOG_S = 1800.0  # loading, data preparation and the first (compiling) step beat rarely
+FAULT_ENV = "DFLASH_INJECT_FAULT"  # "raise|hang:rank=R:step=S", for testing failure handling
+
+
+def inject_fault(rank: int, step: int) -> None:
+    """Test hook: raise, or stall forever, on rank R after step S (see FAULT_ENV)."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    kind, *fields = spec.split(":")
+    where = dict(f.split("=") for f in fields)
+    if int(where.get("rank", -1)) == rank and int(where.get("step", -1)) == step:
+        if kind == "hang":
+            while True:
+                time.sleep(3600)
+        raise RuntimeError(f"injected fault ({FAULT_ENV}={spec})")
 
 
 class StopFlag:
@@ -57,7 +74,7 @@ def train(cfg: RunConfig) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     use_shared_compile_cache(out_dir.parent / ".compile-cache")
     log = _logger(topo)
-    watchdog = Watchdog(cfg.train.watchdog_seconds, name=f"rank{topo.rank}")
+    watchdog = Watchdog(max(cfg.train.watchdog_seconds, SETUP_WATCHDOG_S), name=f"rank{topo.rank}")
     watchdog.start()
     stop = StopFlag()
     try:
@@ -74,7 +91,8 @@ def _run(cfg, topo, device, dp_group, out_dir, log, watchdog, stop) -> dict:
                              cfg.target.trust_remote_code)
     dcfg = setup.build_drafter_config(cfg, target)
     with watchdog.stage("prepare data"):
-        train_samples, held_out = setup.load_or_build_samples(cfg, target, topo, out_dir / "data", log)
+        train_samples, held_out = setup.load_or_build_samples(cfg, target, topo, out_dir / "data", log,
+                                                              heartbeat=watchdog.beat)
     plan = BatchPlan(cfg.train.seqs_per_step, cfg.train.micro_batch, topo.num_drafters)
     sampler = StepSampler(len(train_samples), cfg.train.seqs_per_step, cfg.train.seed)
     total_steps = setup.total_steps_of(cfg, sampler.steps_per_epoch)
@@ -84,13 +102,17 @@ def _run(cfg, topo, device, dp_group, out_dir, log, watchdog, stop) -> dict:
     checkpointer = Checkpointer(out_dir, cfg.train.keep_last)
     resume = _resume_point(cfg, topo, checkpointer)
 
+    def _target_step(k: int) -> None:
+        watchdog.timeout_s = cfg.train.watchdog_seconds
+        inject_fault(topo.rank, k)
+
     if topo.is_target:
         if resume is not None:
             sampler.load_state_dict(resume[1]["data"])
         _send_eval_taps(target, layer_ids, eval_mbs, topo, device)
         stats = serve_taps(target, layer_ids, train_samples, sampler, plan, topo, collate_fn, device,
                            total_steps - (resume[1]["train"]["step"] if resume else 0), cfg.topology.max_in_flight,
-                           heartbeat=watchdog.beat, stop_requested=stop)
+                           heartbeat=watchdog.beat, stop_requested=stop, on_step=lambda k: _target_step(k))
         log(f"target rank {topo.rank}: done, busy {stats['busy_s']:.1f}s, waiting on drafters {stats['wait_s']:.1f}s")
         return _finish_distributed(topo, {"role": "target", **stats})
 
@@ -133,6 +155,8 @@ def _run(cfg, topo, device, dp_group, out_dir, log, watchdog, stop) -> dict:
         watchdog.beat("drafter step")
         stats, grad_norm = train_step(model, optimizer, scheduler, mbs, ctx, cfg.optim.grad_clip)
         state["step"] += 1
+        watchdog.timeout_s = cfg.train.watchdog_seconds  # warm-up (compilation) is over: strict from now
+        inject_fault(topo.rank, state["step"])
         step_tokens = sum(int(mb.attention_mask.sum()) for mb in mbs) * topo.num_drafters
         state["tokens"] += step_tokens
         interval_tokens += step_tokens

@@ -50,5 +50,5 @@ def parallelize(drafter: nn.Module, *, device: torch.device, compile_model: bool
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, process_group=dp_group,
-                    broadcast_buffers=False, gradient_as_bucket_view=True)
+                    gradient_as_bucket_view=True)
     return model

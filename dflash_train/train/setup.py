@@ -57,13 +57,13 @@ def _copy_from_target(drafter: DFlashDrafter, target) -> None:
                     param.copy_(src.float())
 
 
-def load_or_build_samples(cfg: RunConfig, target, topo: Topology, work_dir: Path, log):
+def load_or_build_samples(cfg: RunConfig, target, topo: Topology, work_dir: Path, log, heartbeat=None):
     """The main drafter rank prepares (and caches) the samples; every other rank waits, then reads."""
     from dflash_train.data.dataset import load_samples, prepare_samples
 
     path = None
     if topo.is_main or not topo.distributed:
-        path = prepare_samples(cfg.data, target, cfg.target.model, work_dir, cfg.train.seed, log)
+        path = prepare_samples(cfg.data, target, cfg.target.model, work_dir, cfg.train.seed, log, heartbeat)
     if topo.distributed:
         holder = [str(path) if path else None]
         dist.broadcast_object_list(holder, src=topo.drafter_ranks[0])

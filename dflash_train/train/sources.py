@@ -106,13 +106,14 @@ class RemoteSource:
 
 
 def serve_taps(target, layer_ids, samples, sampler: StepSampler, plan: BatchPlan, topo: Topology, collate_fn,
-               device, num_steps: int, max_in_flight: int, heartbeat=None, stop_requested=None) -> dict:
+               device, num_steps: int, max_in_flight: int, heartbeat=None, stop_requested=None,
+               on_step=None) -> dict:
     """Target rank loop: for each step, the micro-batches routed here (i % T == this rank)."""
     pending: collections.deque = collections.deque()
     me = topo.target_ranks.index(topo.rank)
     busy = wait = 0.0
     sent_bytes = 0
-    for _ in range(num_steps):
+    for k in range(num_steps):
         if stop_requested is not None and stop_requested():
             break
         epoch, indices = sampler.next()
@@ -133,6 +134,8 @@ def serve_taps(target, layer_ids, samples, sampler: StepSampler, plan: BatchPlan
             wait += time.perf_counter() - start
         if heartbeat is not None:
             heartbeat("target: sent step")
+        if on_step is not None:
+            on_step(k + 1)
     while pending:
         pending.popleft()[0].wait()
     return {"busy_s": busy, "wait_s": wait, "sent_bytes": sent_bytes}

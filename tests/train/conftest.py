@@ -1,0 +1,29 @@
+"""A tiny random Qwen3 target with the real SmolLM2 tokenizer, saved as an HF directory, so the
+training tests run the real pipeline (real chitchat data, real chat template) in seconds."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory) -> Path:
+    from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+    from dflash_train.model import target as target_mod
+
+    path, gguf = target_mod.resolve_target("smollm2")
+    cached = target_mod.gguf_cache_dir(Path(path) / gguf)
+    if not cached.is_dir():
+        target_mod._convert_gguf_to_hf_dir(path, gguf, cached)
+    tokenizer = AutoTokenizer.from_pretrained(cached, local_files_only=True)
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=len(tokenizer), tie_word_embeddings=True,
+                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                      pad_token_id=tokenizer.pad_token_id)
+    out = tmp_path_factory.mktemp("tiny_qwen3_target")
+    Qwen3ForCausalLM(cfg).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out

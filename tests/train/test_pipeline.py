@@ -1,0 +1,113 @@
+"""The real training job, run as separate processes (torchrun, gloo): one loss trajectory
+whatever the topology; exact resume after SIGKILL; loud failures."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+STEPS = 5
+
+
+def train_cmd(nproc: int) -> list[str]:
+    if nproc == 1:
+        return [sys.executable, "-m", "dflash_train", "train"]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "--monitor-interval=0.5", "-m", "dflash_train", "train"]
+
+
+def args(target: Path, out: Path, *extra: str) -> list[str]:
+    return ["--recipe", "tiny", f"target.model={target}", "data.train=chitchat", "data.regenerate=false",
+            "data.max_samples=80", "data.max_len=256", "train.epochs=4", f"train.max_steps={STEPS}",
+            "train.seqs_per_step=4", f"train.out_dir={out}", "train.eval_every=100", *extra]
+
+
+def env(**extra) -> dict:
+    e = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    e.update(extra)
+    return e
+
+
+def run(nproc, target, out, *extra, timeout=240, **env_extra):
+    return subprocess.run(train_cmd(nproc) + args(target, out, *extra), env=env(**env_extra), timeout=timeout,
+                          capture_output=True, text=True)
+
+
+def losses(out: Path) -> dict[int, float]:
+    by_step = {}
+    for line in (out / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "loss" in record:
+            by_step[record["step"]] = record["loss"]
+    return by_step
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_target_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("colocated")
+    proc = run(1, tiny_target_dir, out, "train.ckpt_every=2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "dflash-train train: OK" in proc.stdout
+    result = losses(out)
+    assert sorted(result) == list(range(1, STEPS + 1))
+    return out, result
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_disaggregated_matches_colocated(colocated, tiny_target_dir, tmp_path, nproc):
+    """1 target rank + 1 or 2 drafter ranks (DDP): the same loss at every step."""
+    _, expected = colocated
+    proc = run(nproc, tiny_target_dir, tmp_path, "topology.mode=disaggregated", "topology.target_ranks=1")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = losses(tmp_path)
+    assert sorted(got) == sorted(expected)
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=1e-4, abs=1e-6), step
+    assert len(set(expected.values())) > 1  # the loss moves: the comparison is not vacuous
+
+
+def test_sigkill_then_resume_equals_uninterrupted(colocated, tiny_target_dir, tmp_path):
+    _, expected = colocated
+    proc = subprocess.Popen(train_cmd(1) + args(tiny_target_dir, tmp_path, "train.ckpt_every=2"),
+                            env=env(DFLASH_INJECT_FAULT="hang:rank=0:step=3"), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    ckpt = tmp_path / "checkpoints" / "step_00000002"
+    deadline = time.time() + 180
+    while not (ckpt / "meta.json").exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.5)
+    time.sleep(1.0)  # the run is now stalled inside step 3
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert ckpt.is_dir(), "the run never wrote its step-2 checkpoint"
+    resumed = run(1, tiny_target_dir, tmp_path, "train.ckpt_every=2", "--resume")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout and "step 2" in resumed.stdout
+    got = losses(tmp_path)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=1e-6, abs=1e-7), step
+
+
+def test_a_failing_rank_stops_the_whole_job(tiny_target_dir, tmp_path):
+    start = time.time()
+    proc = run(2, tiny_target_dir, tmp_path, "topology.mode=disaggregated", "topology.target_ranks=1",
+               DFLASH_INJECT_FAULT="raise:rank=0:step=2", timeout=180)
+    assert proc.returncode != 0
+    output = proc.stdout + proc.stderr
+    assert "injected fault" in output and "FAILED on rank 0" in output
+    assert time.time() - start < 120
+
+
+def test_watchdog_stops_a_stalled_job_with_stacks(tiny_target_dir, tmp_path):
+    proc = run(1, tiny_target_dir, tmp_path, "train.watchdog_seconds=6", DFLASH_INJECT_FAULT="hang:rank=0:step=2",
+               timeout=180)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "WATCHDOG" in output and "inject_fault" in output and "last stage" in output
