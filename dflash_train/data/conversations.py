@@ -1,0 +1,332 @@
+"""Conversations: reading (JSONL, HF datasets, parquet, the default corpus), validation, and
+tokenization with the target's own chat template plus the loss mask.
+
+Conventions:
+- A conversation is a list of `{"role", "content"}` messages: an optional system message first,
+  then user and assistant alternating, starting with user. It may end with a user turn (a prompt).
+- The loss mask is 1 exactly on assistant tokens: each assistant message's content plus its
+  end-of-turn token (e.g. `<|im_end|>`); 0 on role headers, system and user text, and template
+  boilerplate such as an empty `<think></think>` block.
+- Bad rows raise `DataError` naming file, 1-based line and field; with `skip_bad_rows` they are
+  counted by reason in a `BadRows` report instead. Rows are never dropped silently.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+ROLE_ALIASES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                "model": "assistant", "system": "system"}
+
+
+class DataError(ValueError):
+    """A malformed row: `file:line: field 'f': problem`. `reason` is a short key for counting."""
+
+    def __init__(self, source: str, line: int, field_name: str | None, problem: str, reason: str):
+        where = f"{source}:{line}"
+        what = f"field '{field_name}': {problem}" if field_name else problem
+        super().__init__(f"{where}: {what}")
+        self.reason = reason
+
+
+@dataclass
+class BadRows:
+    """Skipped rows counted by reason, with the first few messages as examples."""
+
+    counts: Counter = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)
+    max_examples: int = 5
+
+    def add(self, reason: str, message: str) -> None:
+        self.counts[reason] += 1
+        if len(self.examples) < self.max_examples:
+            self.examples.append(message)
+
+    def merge(self, other: "BadRows") -> None:
+        for reason, n in other.counts.items():
+            self.counts[reason] += n
+        self.examples.extend(other.examples[: max(0, self.max_examples - len(self.examples))])
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def summary(self) -> str:
+        if not self.total:
+            return "skipped rows: none"
+        parts = ", ".join(f"{reason} {n}" for reason, n in sorted(self.counts.items()))
+        first = f"; first: {self.examples[0]}" if self.examples else ""
+        return f"skipped rows: {self.total} ({parts}){first}"
+
+
+@dataclass
+class Conversation:
+    id: str
+    messages: list[dict]
+
+
+# ---------------------------------------------------------------------------------------------
+# Row parsing and validation
+
+
+def _type_name(value) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _message_list(row: dict, source: str, line: int) -> tuple[str, list, str, str, str]:
+    """Return (list field, messages, role key, content key, shape) for ShareGPT or OpenAI rows."""
+    if "conversations" in row:
+        key, role_key, content_key = "conversations", "from", "value"
+    elif "messages" in row:
+        key, role_key, content_key = "messages", "role", "content"
+    else:
+        raise DataError(source, line, "conversations", "missing (expected 'conversations' or 'messages')",
+                        "missing_field")
+    messages = row[key]
+    if not isinstance(messages, list):
+        raise DataError(source, line, key, f"expected a list, got {_type_name(messages)}", "wrong_type")
+    if not messages:
+        raise DataError(source, line, key, "empty conversation", "empty_conversation")
+    return key, messages, role_key, content_key, key
+
+
+def _parse_message(msg, where: str, role_key: str, content_key: str, source: str, line: int) -> dict:
+    if not isinstance(msg, dict):
+        raise DataError(source, line, where, f"expected an object, got {_type_name(msg)}", "wrong_type")
+    for k in (role_key, content_key):
+        if k not in msg:
+            raise DataError(source, line, f"{where}.{k}", "missing", "missing_field")
+    role, content = msg[role_key], msg[content_key]
+    if not isinstance(role, str) or role.lower() not in ROLE_ALIASES:
+        raise DataError(source, line, f"{where}.{role_key}",
+                        f"unknown role {role!r} (expected one of {', '.join(ROLE_ALIASES)})", "unknown_role")
+    if not isinstance(content, str):
+        raise DataError(source, line, f"{where}.{content_key}",
+                        f"expected a string, got {_type_name(content)}", "non_string_content")
+    return {"role": ROLE_ALIASES[role.lower()], "content": content}
+
+
+def check_role_order(messages: list[dict], source: str, line: int, key: str, role_key: str) -> None:
+    """Optional system first, then user/assistant alternating starting with user."""
+    start = 1 if messages and messages[0]["role"] == "system" else 0
+    if start == len(messages):
+        raise DataError(source, line, key, "empty conversation (only a system message)", "empty_conversation")
+    for i, msg in enumerate(messages[start:], start):
+        expected = "user" if (i - start) % 2 == 0 else "assistant"
+        if msg["role"] != expected:
+            raise DataError(source, line, f"{key}[{i}].{role_key}",
+                            f"wrong role order: expected {expected}, got {msg['role']}", "role_order")
+
+
+def parse_row(row, source: str, line: int, default_id: str | None = None) -> Conversation:
+    """One ShareGPT (`conversations` of `from`/`value`) or OpenAI (`messages` of `role`/`content`)
+    row; the id is the row's `id` field, else `default_id`, else `source:line`."""
+    if not isinstance(row, dict):
+        raise DataError(source, line, None, f"expected a JSON object, got {_type_name(row)}", "wrong_type")
+    key, raw, role_key, content_key, _ = _message_list(row, source, line)
+    messages = [_parse_message(m, f"{key}[{i}]", role_key, content_key, source, line)
+                for i, m in enumerate(raw)]
+    check_role_order(messages, source, line, key, role_key)
+    row_id = row.get("id")
+    if row_id is not None and not isinstance(row_id, (str, int)):
+        raise DataError(source, line, "id", f"expected a string or int, got {_type_name(row_id)}", "wrong_type")
+    conv_id = str(row_id) if row_id is not None else (default_id or f"{source}:{line}")
+    return Conversation(id=conv_id, messages=messages)
+
+
+def _collect(rows: Iterable[tuple[int, object]], source: str, skip_bad_rows: bool,
+             bad: BadRows) -> Iterator[Conversation]:
+    """Parse (line, row-or-DataError) pairs; raise the first error unless skipping."""
+    for line, row in rows:
+        try:
+            if isinstance(row, DataError):
+                raise row
+            yield parse_row(row, source, line)
+        except DataError as err:
+            if not skip_bad_rows:
+                raise
+            bad.add(err.reason, str(err))
+
+
+# ---------------------------------------------------------------------------------------------
+# Readers
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[int, object]]:
+    with open(path, encoding="utf-8") as f:
+        for line_no, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            try:
+                yield line_no, json.loads(text)
+            except json.JSONDecodeError as e:
+                yield line_no, DataError(path.name, line_no, None, f"bad JSON: {e.msg} (column {e.colno})",
+                                         "bad_json")
+
+
+def _hf_dataset_rows(path: Path) -> Iterator[tuple[int, object]]:
+    try:
+        import datasets
+    except ImportError as e:
+        raise ImportError(f"{path} is an HF dataset directory; reading it needs the 'datasets' package: "
+                          "pip install 'dflash-train[datasets]'") from e
+    ds = datasets.load_from_disk(str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        if "train" not in ds:
+            raise ValueError(f"{path}: a DatasetDict without a 'train' split (splits: {', '.join(ds)})")
+        ds = ds["train"]
+    for i, row in enumerate(ds, 1):
+        yield i, row
+
+
+def _parquet_rows(path: Path) -> Iterator[tuple[int, object]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ImportError(f"reading {path} needs pyarrow: pip install 'dflash-train[datasets]'") from e
+    for i, row in enumerate(pq.read_table(path).to_pylist(), 1):
+        yield i, row
+
+
+def read_conversations(spec: str, skip_bad_rows: bool = False, max_samples: int | None = None,
+                       seed: int = 0) -> tuple[list[Conversation], BadRows]:
+    """Read conversations from `default` (the embedded corpus), `chitchat` (its human multi-turn
+    conversations), a JSONL file, a parquet file, or an HF dataset saved to disk."""
+    bad = BadRows()
+    if spec in ("default", "chitchat"):
+        from dflash_train.data import corpus
+
+        if spec == "default":
+            return corpus.default_train_conversations(seed=seed, max_samples=max_samples), bad
+        convs = corpus.chitchat_conversations(split="train")
+        return convs[:max_samples] if max_samples else convs, bad
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        rows = _hf_dataset_rows(path)
+    elif path.suffix == ".parquet":
+        rows = _parquet_rows(path)
+    elif path.is_file():
+        rows = _jsonl_rows(path)
+    else:
+        raise FileNotFoundError(f"data {spec!r}: not 'default', 'chitchat', a file or a dataset directory")
+    convs: list[Conversation] = []
+    for conv in _collect(rows, path.name, skip_bad_rows, bad):
+        convs.append(conv)
+        if max_samples and len(convs) >= max_samples:
+            break
+    return convs, bad
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenization and loss mask
+
+
+def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = False,
+                thinking: bool | None = None) -> str:
+    """The target's chat template as text; `thinking` sets `enable_thinking` where the template
+    reads it (ignored otherwise, so one setting works for every target)."""
+    kwargs = {}
+    if thinking is not None and "enable_thinking" in str(getattr(tokenizer, "chat_template", "") or ""):
+        kwargs["enable_thinking"] = thinking
+    return tokenizer.apply_chat_template(messages, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt, **kwargs)
+
+
+def _special_ids(tokenizer) -> set[int]:
+    ids = set(getattr(tokenizer, "all_special_ids", []) or [])
+    for i, tok in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).items():
+        if getattr(tok, "special", False):
+            ids.add(int(i))
+    return ids
+
+
+def _assistant_spans(tokenizer, messages: list[dict], full: str, thinking: bool | None) -> list[tuple[int, int]]:
+    """Character spans of each assistant content inside the full rendering.
+
+    The search for message k starts where the rendered prefix `messages[:k]` + generation prompt
+    ends when that is a prefix of `full` (exact, skips the role header); otherwise (templates that
+    re-render history, e.g. Qwen3 think blocks) after the previous message's content.
+    """
+    spans, cursor = [], 0
+    for k, msg in enumerate(messages):
+        start = cursor
+        if msg["role"] == "assistant":
+            header = render_chat(tokenizer, messages[:k], add_generation_prompt=True, thinking=thinking)
+            if full.startswith(header):
+                start = max(start, len(header))
+        content = msg["content"] if msg["content"] in full[start:] else msg["content"].strip()
+        pos = full.find(content, start)
+        if pos < 0:
+            raise ValueError(f"the chat template altered message {k} ({msg['role']}); cannot place the loss mask")
+        cursor = pos + len(content)
+        if msg["role"] == "assistant":
+            spans.append((pos, cursor))
+    return spans
+
+
+def _mark_span(mask: list[int], full: str, offsets, token_ids, span: tuple[int, int],
+               specials: set[int]) -> None:
+    """Set mask=1 on tokens overlapping `span`, then on the end-of-turn special token that follows
+    (whitespace-only tokens in between included); stop without one at ordinary text."""
+    lo, hi = span
+    last = -1
+    for t, (a, b) in enumerate(offsets):
+        if a < hi and b > lo:
+            mask[t], last = 1, t
+    if last < 0:
+        return
+    pending = []
+    for t in range(last + 1, len(offsets)):
+        if token_ids[t] in specials:
+            for p in pending + [t]:
+                mask[p] = 1
+            return
+        a, b = offsets[t]
+        if full[a:b].strip():
+            return
+        pending.append(t)
+
+
+def tokenize_conversation(tokenizer, messages: list[dict], max_len: int,
+                          thinking: bool | None = None) -> tuple[list[int], list[int]]:
+    """Token ids of the chat-template rendering and a loss mask that is 1 exactly on assistant
+    content plus its end-of-turn token; both truncated to `max_len`."""
+    full = render_chat(tokenizer, messages, thinking=thinking)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
+    mask = [0] * len(ids)
+    specials = _special_ids(tokenizer)
+    for span in _assistant_spans(tokenizer, messages, full, thinking):
+        _mark_span(mask, full, offsets, ids, span, specials)
+    return ids[:max_len], mask[:max_len]
+
+
+@dataclass
+class TokenizedSample:
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def tokenize_conversations(tokenizer, conversations: Iterable[Conversation], max_len: int,
+                           min_loss_tokens: int = 2, thinking: bool | None = None,
+                           bad: BadRows | None = None) -> tuple[list[TokenizedSample], BadRows]:
+    """Tokenize many; samples with fewer than `min_loss_tokens` supervised tokens (after
+    truncation) are skipped and counted in the returned report, never dropped silently."""
+    bad = bad if bad is not None else BadRows()
+    out = []
+    for conv in conversations:
+        try:
+            ids, mask = tokenize_conversation(tokenizer, conv.messages, max_len, thinking)
+        except ValueError as err:
+            bad.add("template_mismatch", f"{conv.id}: {err}")
+            continue
+        if sum(mask) < min_loss_tokens:
+            bad.add("too_few_loss_tokens", f"{conv.id}: {sum(mask)} supervised tokens < {min_loss_tokens}")
+            continue
+        out.append(TokenizedSample(conv.id, ids, mask))
+    return out, bad
