@@ -62,6 +62,9 @@ class DataConfig:
     max_samples: int | None = None
     regenerate: bool = True
     """Replace assistant turns by the target's own greedy responses (cached) before training."""
+    tap_during_regeneration: bool = True
+    """Keep the taps computed while regenerating (single-process colocated runs): the target never
+    runs again during training. Otherwise taps are computed by a target forward every step."""
     regen_max_new_tokens: int = 256
     regen_batch_size: int = 16
     shards: str | None = None

@@ -71,6 +71,38 @@ def regenerate_cached(cfg: DataConfig, target, target_name: str, conversations, 
     return [Conversation(r["id"], r["messages"]) for r in rows if r["id"] in wanted]
 
 
+def prepare_tapped(cfg: DataConfig, target, target_name: str, layer_ids: list[int], work_dir: Path, seed: int,
+                   log=print, heartbeat=None):
+    """Regenerate + tap in one pass (cached): (train samples, held-out samples, their taps)."""
+    from dflash_train.data.conversations import read_conversations
+    from dflash_train.data.regen_taps import TappedSamples, regenerate_with_taps
+
+    path = work_dir / f"tapped-{cache_key(cfg, target_name, seed)}-{'_'.join(map(str, layer_ids))}.safetensors"
+    if path.exists():
+        log(f"data: using cached regenerated samples and taps {path}")
+        tapped = TappedSamples.load(path)
+    else:
+        conversations, bad = read_conversations(cfg.train, skip_bad_rows=cfg.skip_bad_rows,
+                                                max_samples=cfg.max_samples, seed=seed)
+        log(f"data: {len(conversations)} conversations from {cfg.train}; {bad.summary()}")
+        tapped, report = regenerate_with_taps(target, conversations, layer_ids, cfg.regen_max_new_tokens,
+                                              cfg.regen_batch_size, cfg.max_len, cfg.thinking, cfg.min_loss_tokens,
+                                              heartbeat=heartbeat)
+        log(f"data: regenerated and tapped {report['samples']} samples, {report['new_tokens']} new tokens in "
+            f"{report['seconds']:.0f}s ({report['new_tokens'] / max(report['seconds'], 1e-9):.0f} tok/s); "
+            f"skipped {report['skipped']}")
+        if not tapped.samples:
+            raise ValueError(f"data {cfg.train!r}: regeneration left no usable sample ({report['skipped']})")
+        work_dir.mkdir(parents=True, exist_ok=True)
+        tapped.save(path)
+    split = {"train": ([], []), "held_out": ([], [])}
+    for sample, taps in zip(tapped.samples, tapped.taps):
+        part = split["held_out" if _is_heldout(sample.id, cfg.eval_fraction) else "train"]
+        part[0].append(sample)
+        part[1].append(taps)
+    return split["train"], split["held_out"]
+
+
 def load_samples(path: Path, eval_fraction: float) -> tuple[list[Sample], list[Sample]]:
     train, held_out = [], []
     for line in path.read_text().splitlines():

@@ -73,7 +73,7 @@ class Checkpointer:
             (tmp / "meta.json").write_text(json.dumps({"step": step, "sim_tau": sim_tau, **meta}, indent=2,
                                                       default=str))
         atomic.point_link(self.root / "latest", name)
-        if sim_tau is not None and sim_tau > self._best_tau():
+        if sim_tau is not None and sim_tau >= self._best_tau():  # ties: the later, more trained one
             atomic.point_link(self.root / "best", name)
         self._prune()
         return self.root / name

@@ -27,7 +27,8 @@ from dflash_train.train.loss import LossStats, summarize
 from dflash_train.train.metrics import MetricsLog
 from dflash_train.train.optim import build_optimizer
 from dflash_train.train.parallel import parallelize, resolve_backend, resolve_compile, use_shared_compile_cache
-from dflash_train.train.sources import CollateArgs, ColocatedSource, RemoteSource, compute_taps, serve_taps
+from dflash_train.train.sources import (CollateArgs, ColocatedSource, RemoteSource, StoredTapsSource, compute_taps,
+                                        serve_taps)
 from dflash_train.train.step import StepContext, forward_stats, reduce_stats, train_step
 from dflash_train.train.topology import init_distributed, pick_device, topology_from_env
 
@@ -90,14 +91,19 @@ def _run(cfg, topo, device, dp_group, out_dir, log, watchdog, stop) -> dict:
         target = load_target(cfg.target.model, cfg.target.gguf_file, cfg.target.dtype, device,
                              cfg.target.trust_remote_code)
     dcfg = setup.build_drafter_config(cfg, target)
+    layer_ids = list(dcfg.target_layer_ids)
+    stored_taps = held_out_taps = None
     with watchdog.stage("prepare data"):
-        train_samples, held_out = setup.load_or_build_samples(cfg, target, topo, out_dir / "data", log,
-                                                              heartbeat=watchdog.beat)
+        if setup.taps_from_regeneration(cfg, topo):
+            (train_samples, stored_taps), (held_out, held_out_taps) = setup.prepare_tapped(
+                cfg, target, layer_ids, out_dir / "data", log, watchdog.beat)
+        else:
+            train_samples, held_out = setup.load_or_build_samples(cfg, target, topo, out_dir / "data", log,
+                                                                  heartbeat=watchdog.beat)
     plan = BatchPlan(cfg.train.seqs_per_step, cfg.train.micro_batch, topo.num_drafters)
     sampler = StepSampler(len(train_samples), cfg.train.seqs_per_step, cfg.train.seed)
     total_steps = setup.total_steps_of(cfg, sampler.steps_per_epoch)
     collate_fn = CollateArgs(cfg.train.seed, cfg.train.num_anchors, PAD_MULTIPLE, cfg.data.max_len)
-    layer_ids = list(dcfg.target_layer_ids)
     eval_mbs = setup.eval_batches(held_out, cfg.eval.sim_anchors_per_seq, PAD_MULTIPLE, cfg.data.max_len)
     checkpointer = Checkpointer(out_dir, cfg.train.keep_last)
     resume = _resume_point(cfg, topo, checkpointer)
@@ -128,7 +134,11 @@ def _run(cfg, topo, device, dp_group, out_dir, log, watchdog, stop) -> dict:
                       dp_group=dp_group, num_drafters=topo.num_drafters)
     optimizer, scheduler = build_optimizer(drafter.parameters(), cfg.optim, total_steps, fused=device.type == "cuda")
     taps_width = dcfg.num_taps * dcfg.hidden_size
-    if topo.mode == "colocated":
+    if stored_taps is not None:
+        source = StoredTapsSource(train_samples, sampler, plan, topo.drafter_index, collate_fn,
+                                  lambda i: stored_taps[i], target.dtype)
+        setup.fill_eval_taps(eval_mbs, held_out_taps, target.dtype)
+    elif topo.mode == "colocated":
         source = ColocatedSource(train_samples, sampler, plan, topo.drafter_index, collate_fn, target, layer_ids, device)
         for mb in eval_mbs:
             mb.taps = compute_taps(target, layer_ids, mb, device)
@@ -193,7 +203,35 @@ def _run(cfg, topo, device, dp_group, out_dir, log, watchdog, stop) -> dict:
         best = checkpointer.best() or checkpointer.latest()
         result["export"] = str(_export(best, out_dir, log))
         result["checkpoint"] = str(best)
+        if cfg.eval.num_prompts > 0 and topo.mode == "colocated" and not stop():
+            with watchdog.stage("real speculative decoding eval"):
+                result.update(_real_eval(cfg, Path(result["export"]), target, out_dir, log))
     return _finish_distributed(topo, result)
+
+
+def _eval_prompt_sets(cfg: RunConfig) -> dict:
+    if cfg.eval.prompts:
+        from dflash_train.data.conversations import read_conversations
+
+        conversations, _ = read_conversations(cfg.eval.prompts)
+        return {"prompts": [c.messages for c in conversations[: cfg.eval.num_prompts]]}
+    from dflash_train.data.corpus import default_eval_prompts
+
+    return {name: prompts[: cfg.eval.num_prompts] for name, prompts in default_eval_prompts().items()}
+
+
+def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log) -> dict:
+    """Real speculative decoding of the exported drafter against the target, on held-out prompts."""
+    from dflash_train.eval.evaluate import evaluate
+    from dflash_train.model.hf_format import load_zlab
+
+    drafter = load_zlab(drafter_dir, device=target.device, dtype=target.dtype)
+    report = evaluate(drafter, target, _eval_prompt_sets(cfg), max_new_tokens=cfg.eval.max_new_tokens,
+                      temperature=cfg.eval.temperature, thinking=cfg.data.thinking, seed=cfg.train.seed,
+                      out_dir=out_dir / "eval")
+    for name, figures in report["sets"].items():
+        log(f"eval [{name}]: tau {figures['tau']:.3f}, speedup {figures['speedup']:.2f}x")
+    return {"eval": report["sets"], "report": str(out_dir / "eval" / "report.json")}
 
 
 def simulated_tau(drafter, eval_mbs, ctx: StepContext) -> dict:

@@ -71,6 +71,26 @@ def load_or_build_samples(cfg: RunConfig, target, topo: Topology, work_dir: Path
     return load_samples(path, cfg.data.eval_fraction)
 
 
+def taps_from_regeneration(cfg: RunConfig, topo: Topology) -> bool:
+    """Regenerate + tap in one pass: single-process colocated runs that regenerate their data."""
+    return cfg.data.regenerate and cfg.data.tap_during_regeneration and topo.mode == "colocated" \
+        and not topo.distributed
+
+
+def prepare_tapped(cfg: RunConfig, target, layer_ids, work_dir: Path, log, heartbeat=None):
+    from dflash_train.data.dataset import prepare_tapped as prepare
+
+    return prepare(cfg.data, target, cfg.target.model, layer_ids, work_dir, cfg.train.seed, log, heartbeat)
+
+
+def fill_eval_taps(eval_mbs: list[MicroBatch], taps: list[torch.Tensor], dtype: torch.dtype) -> None:
+    """Held-out micro-batches (one sample each, in order) get their stored taps, zero-padded."""
+    for mb, row in zip(eval_mbs, taps):
+        mb.taps = torch.zeros(*mb.input_ids.shape, row.shape[-1], dtype=dtype)
+        n = min(row.shape[0], mb.input_ids.shape[1])
+        mb.taps[0, :n] = row[:n].to(dtype)
+
+
 def eval_batches(samples: list[Sample], num_anchors: int, pad_multiple: int, max_len: int,
                  max_samples: int = 32) -> list[MicroBatch]:
     """Held-out micro-batches of one sample each, with deterministic anchors (simulated tau)."""

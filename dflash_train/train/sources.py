@@ -60,6 +60,36 @@ class ColocatedSource:
         self.sampler.load_state_dict(state)
 
 
+class StoredTapsSource:
+    """Taps looked up per sample (in memory from regenerate+tap, or from offline shards), padded to
+    the micro-batch length; no target forward during training."""
+
+    def __init__(self, samples, sampler: StepSampler, plan: BatchPlan, drafter_index: int, collate_fn, taps_of,
+                 dtype: torch.dtype):
+        self.samples, self.sampler, self.plan, self.index = samples, sampler, plan, drafter_index
+        self.collate, self.taps_of, self.dtype = collate_fn, taps_of, dtype
+
+    def next_step(self) -> tuple[int, list[MicroBatch]]:
+        epoch, indices = self.sampler.next()
+        mbs = []
+        for mb_indices in self.plan.for_drafter(indices, self.index):
+            mb = self.collate([self.samples[i] for i in mb_indices], epoch)
+            b, seq_len = mb.input_ids.shape
+            rows = [self.taps_of(i) for i in mb_indices]
+            mb.taps = torch.zeros(b, seq_len, rows[0].shape[-1], dtype=self.dtype)  # [b, S, K*H]
+            for r, taps in enumerate(rows):
+                n = min(seq_len, taps.shape[0])
+                mb.taps[r, :n] = taps[:n].to(self.dtype)
+            mbs.append(mb)
+        return epoch, mbs
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+
+
 class RemoteSource:
     """Drafter side of the disaggregated pipeline."""
 

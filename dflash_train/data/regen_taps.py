@@ -1,0 +1,143 @@
+"""Regenerate responses and tap the target in the same pass.
+
+Generating a response already runs the target over every prompt and response position; keeping
+the hidden states of the tapped layers on the way gives the training taps for free, where a
+separate tap pass would prefill every sample again (on the 2-core CPU, that pass costs as much
+as the drafter training itself). The sample is built from the generated token ids themselves
+(prompt ids + response ids up to and including the end-of-turn token), so taps, ids and the
+loss mask line up exactly; nothing is decoded and re-tokenized.
+
+Taps come from incremental decoding with a KV cache, as at inference (`eval/spec_decode.py`).
+The last response token is never fed back, so its tap is zero: no training query sees it (context
+is strictly before an anchor, and an anchor needs a supervised token after it).
+
+The result is cached in one safetensors file (written atomically), keyed by its inputs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from dflash_train.train.batching import Sample
+
+
+@dataclass
+class TappedSamples:
+    samples: list[Sample]
+    taps: list[torch.Tensor]  # per sample [len, K*H], storage dtype
+
+    def save(self, path) -> None:
+        from safetensors.torch import save_file
+
+        from dflash_train import atomic
+
+        lengths = torch.tensor([len(s) for s in self.samples])
+        tensors = {"lengths": lengths,
+                   "input_ids": torch.tensor([t for s in self.samples for t in s.input_ids], dtype=torch.int32),
+                   "loss_mask": torch.tensor([m for s in self.samples for m in s.loss_mask], dtype=torch.uint8),
+                   "taps": torch.cat(self.taps).contiguous()}
+        tmp = str(path) + ".tmp"
+        save_file(tensors, tmp, metadata={"ids": "\n".join(s.id for s in self.samples)})
+        with open(tmp, "rb") as f:
+            atomic.write_bytes(path, f.read())
+        import os
+
+        os.unlink(tmp)
+
+    @classmethod
+    def load(cls, path) -> "TappedSamples":
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            ids = f.metadata()["ids"].split("\n")
+            lengths = f.get_tensor("lengths").tolist()
+            input_ids, loss_mask, taps = (f.get_tensor(k) for k in ("input_ids", "loss_mask", "taps"))
+        samples, tap_list, start = [], [], 0
+        for sid, n in zip(ids, lengths):
+            samples.append(Sample(sid, tuple(input_ids[start:start + n].tolist()),
+                                  tuple(loss_mask[start:start + n].tolist())))
+            tap_list.append(taps[start:start + n])
+            start += n
+        return cls(samples, tap_list)
+
+
+def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+def _generate_batch(target, prompts: list[list[int]], layer_ids: list[int], max_new_tokens: int,
+                    stop_ids: list[int], storage_dtype: torch.dtype) -> list[tuple[list[int], list[int], torch.Tensor]]:
+    """Greedy responses of one batch; per row (input_ids, loss_mask, taps [len, K*H])."""
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop_ids[0]
+    ids, mask = _left_pad(prompts, pad)
+    out = target.model.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
+                                max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop_ids,
+                                pad_token_id=pad, output_hidden_states=True, return_dict_in_generate=True)
+    width = ids.shape[1]
+    prompt_taps = torch.cat([out.hidden_states[0][i + 1] for i in layer_ids], dim=-1)  # [b, P, K*H]
+    step_taps = [torch.cat([h[i + 1] for i in layer_ids], dim=-1) for h in out.hidden_states[1:]]  # [b, 1, K*H]
+    gen_taps = torch.cat([prompt_taps[:, -1:]] + step_taps, dim=1) if step_taps else prompt_taps[:, -1:]
+    rows = []
+    for r, prompt in enumerate(prompts):
+        generated = out.sequences[r, width:].tolist()
+        end = next((k + 1 for k, t in enumerate(generated) if t in stop_ids), len(generated))
+        response = generated[:end]
+        # taps: prompt positions, then the positions of response tokens 0..n-2 (token k's hidden state
+        # is computed when it is fed back, at generation step k+1); the last response token has none.
+        taps = torch.zeros(len(prompt) + len(response), prompt_taps.shape[-1], dtype=storage_dtype)
+        taps[:len(prompt)] = prompt_taps[r, width - len(prompt):].to(storage_dtype)
+        fed = gen_taps[r, 1:len(response)]  # hidden states of response tokens 0..n-2
+        taps[len(prompt):len(prompt) + fed.shape[0]] = fed.to(storage_dtype)
+        rows.append((prompt + response, [0] * len(prompt) + [1] * len(response), taps))
+    return rows
+
+
+def regenerate_with_taps(target, conversations, layer_ids: list[int], max_new_tokens: int, batch_size: int,
+                         max_len: int, thinking: bool | None = None, min_loss_tokens: int = 2,
+                         storage_dtype: torch.dtype = torch.bfloat16, heartbeat=None) -> tuple[TappedSamples, dict]:
+    """Greedy target responses for every conversation's last user turn, with their taps."""
+    from dflash_train.data.conversations import render_chat
+    from dflash_train.data.regenerate import end_of_turn_ids, prompt_messages
+
+    stop_ids = end_of_turn_ids(target)
+    encoded = []
+    for conv in conversations:
+        text = render_chat(target.tokenizer, prompt_messages(conv.messages), add_generation_prompt=True,
+                           thinking=thinking)
+        encoded.append((conv.id, target.tokenizer(text, add_special_tokens=False)["input_ids"]))
+    encoded.sort(key=lambda e: -len(e[1]))  # little padding per batch; an OOM shows at once
+    samples, taps, skipped, new_tokens = [], [], {"too_long": 0, "too_few_loss_tokens": 0}, 0
+    start = time.perf_counter()
+    bar = tqdm(total=len(encoded), unit="prompt", desc="regenerate+tap", dynamic_ncols=True)
+    for b in range(0, len(encoded), batch_size):
+        batch = [e for e in encoded[b:b + batch_size] if len(e[1]) < max_len - 2]
+        skipped["too_long"] += len(encoded[b:b + batch_size]) - len(batch)
+        with torch.no_grad():
+            rows = _generate_batch(target, [e[1] for e in batch], layer_ids, max_new_tokens, stop_ids,
+                                   storage_dtype) if batch else []
+        for (cid, _), (ids, mask, row_taps) in zip(batch, rows):
+            new_tokens += sum(mask)
+            ids, mask, row_taps = ids[:max_len], mask[:max_len], row_taps[:max_len]
+            if sum(mask) < min_loss_tokens:
+                skipped["too_few_loss_tokens"] += 1
+                continue
+            samples.append(Sample(cid, tuple(ids), tuple(mask)))
+            taps.append(row_taps)
+        bar.update(len(encoded[b:b + batch_size]))
+        bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - start, 1e-9):.0f}")
+        if heartbeat is not None:
+            heartbeat(f"regenerate+tap batch {b // batch_size}")
+    bar.close()
+    report = {"samples": len(samples), "new_tokens": new_tokens, "seconds": time.perf_counter() - start,
+              "skipped": skipped}
+    return TappedSamples(samples, taps), report
