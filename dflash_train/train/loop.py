@@ -32,7 +32,8 @@ from dflash_train.train.sources import (CollateArgs, ColocatedSource, RemoteSour
 from dflash_train.train.step import StepContext, forward_stats, reduce_stats, train_step
 from dflash_train.train.topology import init_distributed, pick_device, topology_from_env
 
-PAD_MULTIPLE = 64  # sequence lengths are padded to this multiple: few shapes, few compiles
+PAD_MULTIPLE = 64  # uncompiled runs pad lengths to this multiple; compiled runs pad to max_len (static)
+HEALTH_WARMUP_STEPS, HEALTH_CHECK_STEPS = 2, 2  # compile during the first, verify over the next
 SETUP_WATCHDOG_S = 1800.0  # loading, data preparation and the first (compiling) step beat rarely
 FAULT_ENV = "DFLASH_INJECT_FAULT"  # "raise|hang:rank=R:step=S", for testing failure handling
 
@@ -94,7 +95,9 @@ def _run(cfg, topo, device, dp_group, out_dir, log, watchdog, stop) -> dict:
     layer_ids = list(dcfg.target_layer_ids)
     stored_taps = held_out_taps = None
     with watchdog.stage("prepare data"):
-        if setup.taps_from_regeneration(cfg, topo):
+        if topo.mode == "offline":
+            (train_samples, stored_taps), (held_out, held_out_taps) = setup.samples_from_shards(cfg, layer_ids, log)
+        elif setup.taps_from_regeneration(cfg, topo):
             (train_samples, stored_taps), (held_out, held_out_taps) = setup.prepare_tapped(
                 cfg, target, layer_ids, out_dir / "data", log, watchdog.beat)
         else:
@@ -103,8 +106,11 @@ def _run(cfg, topo, device, dp_group, out_dir, log, watchdog, stop) -> dict:
     plan = BatchPlan(cfg.train.seqs_per_step, cfg.train.micro_batch, topo.num_drafters)
     sampler = StepSampler(len(train_samples), cfg.train.seqs_per_step, cfg.train.seed)
     total_steps = setup.total_steps_of(cfg, sampler.steps_per_epoch)
-    collate_fn = CollateArgs(cfg.train.seed, cfg.train.num_anchors, PAD_MULTIPLE, cfg.data.max_len)
-    eval_mbs = setup.eval_batches(held_out, cfg.eval.sim_anchors_per_seq, PAD_MULTIPLE, cfg.data.max_len)
+    backend = resolve_backend(cfg.train.attention, device)
+    compiled = resolve_compile(cfg.train.compile, device)
+    pad_multiple = cfg.data.max_len if compiled else PAD_MULTIPLE
+    collate_fn = CollateArgs(cfg.train.seed, cfg.train.num_anchors, pad_multiple, cfg.data.max_len)
+    eval_mbs = setup.eval_batches(held_out, cfg.eval.sim_anchors_per_seq, pad_multiple, cfg.data.max_len)
     checkpointer = Checkpointer(out_dir, cfg.train.keep_last)
     resume = _resume_point(cfg, topo, checkpointer)
 
@@ -123,8 +129,6 @@ def _run(cfg, topo, device, dp_group, out_dir, log, watchdog, stop) -> dict:
         return _finish_distributed(topo, {"role": "target", **stats})
 
     # ---- drafter rank ------------------------------------------------------------------------
-    backend = resolve_backend(cfg.train.attention, device)
-    compiled = resolve_compile(cfg.train.compile, device)
     drafter = setup.init_drafter(dcfg, target, cfg.train.seed, cfg.drafter.init_from_target, device)
     ctx = StepContext(embed_weight=target.embed_weight.detach(), lm_head_weight=target.lm_head_weight.detach(),
                       block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id, layer_types=dcfg.layer_types,
@@ -155,6 +159,7 @@ def _run(cfg, topo, device, dp_group, out_dir, log, watchdog, stop) -> dict:
         log(setup.describe(cfg, dcfg, topo, len(train_samples), len(held_out), total_steps, plan.accum, backend,
                            compiled, taps_width * target.dtype.itemsize))
     metrics = MetricsLog(out_dir, total_steps, state["step"], topo.is_main, cfg.train.tensorboard)
+    health = CompileHealthWatch(compiled, backend == "flex", state["step"], log)
     meta = {"config": cfg.to_dict(), "provenance": provenance(topo.world_size)}
     last_sim = None
     interval_tokens, interval_start, budget_start = 0, time.perf_counter(), time.perf_counter()
@@ -167,6 +172,7 @@ def _run(cfg, topo, device, dp_group, out_dir, log, watchdog, stop) -> dict:
         state["step"] += 1
         watchdog.timeout_s = cfg.train.watchdog_seconds  # warm-up (compilation) is over: strict from now
         inject_fault(topo.rank, state["step"])
+        health.after_step(state["step"], last=state["step"] == total_steps)
         step_tokens = sum(int(mb.attention_mask.sum()) for mb in mbs) * topo.num_drafters
         state["tokens"] += step_tokens
         interval_tokens += step_tokens
@@ -232,6 +238,36 @@ def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log) ->
     for name, figures in report["sets"].items():
         log(f"eval [{name}]: tau {figures['tau']:.3f}, speedup {figures['speedup']:.2f}x")
     return {"eval": report["sets"], "report": str(out_dir / "eval" / "report.json")}
+
+
+class CompileHealthWatch:
+    """After warm-up, verify that no step compiles anything new and that flex attention runs
+    compiled (no eager fallback); then forbid recompiles for the rest of the run. Fails loudly."""
+
+    def __init__(self, enabled: bool, expect_flex: bool, start_step: int, log):
+        self.enabled, self.expect_flex, self.log = enabled, expect_flex, log
+        self.before = None
+        self.warm_at = start_step + HEALTH_WARMUP_STEPS
+        self.check_at = self.warm_at + HEALTH_CHECK_STEPS
+        if enabled:
+            from dflash_train.diagnostics.compile_health import track_eager_flex_calls
+
+            track_eager_flex_calls()
+
+    def after_step(self, step: int, last: bool) -> None:
+        if not self.enabled:
+            return
+        from dflash_train.diagnostics import compile_health as ch
+
+        if step == self.warm_at:
+            self.before = ch.CompileCounters.snapshot()
+        elif self.before is not None and (step == self.check_at or last):
+            report = ch.assert_compile_healthy(self.before, ch.CompileCounters.snapshot(),
+                                               expect_compiled_flex=self.expect_flex)
+            frozen = ch.freeze_compilation()
+            self.log(f"compile health: OK after warm-up ({report.summary()}); recompiles "
+                     f"{'now forbidden' if frozen else 'not forbidden (no set_stance in this torch)'}")
+            self.before = None
 
 
 def simulated_tau(drafter, eval_mbs, ctx: StepContext) -> dict:

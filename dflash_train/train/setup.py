@@ -83,6 +83,41 @@ def prepare_tapped(cfg: RunConfig, target, layer_ids, work_dir: Path, log, heart
     return prepare(cfg.data, target, cfg.target.model, layer_ids, work_dir, cfg.train.seed, log, heartbeat)
 
 
+class ShardTaps:
+    """Taps of selected shard rows, read from disk when a step needs them (shards can be TBs)."""
+
+    def __init__(self, reader, rows: list[int]):
+        self.reader, self.rows = reader, rows
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.reader.sample(self.rows[i])["taps"]
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self.rows)))
+
+
+def samples_from_shards(cfg: RunConfig, layer_ids: list[int], log):
+    """Offline mode: samples from `dflash-train prepare` shards, split by id hash; taps stay on disk."""
+    from dflash_train.data.dataset import _is_heldout
+    from dflash_train.data.shards import ShardReader
+
+    reader = ShardReader(cfg.data.shards, seed=cfg.train.seed, dtype=torch.float32)
+    if reader.layer_ids != list(layer_ids):
+        raise ValueError(f"data.shards {cfg.data.shards}: tapped layers {reader.layer_ids} differ from the "
+                         f"drafter's target_layer_ids {list(layer_ids)}; set target.layer_ids to match")
+    split = {"train": ([], []), "held_out": ([], [])}
+    for i in range(len(reader)):
+        row = reader.sample(i)
+        sample = Sample(row["id"], tuple(row["input_ids"].tolist()), tuple(row["loss_mask"].tolist()))
+        part = split["held_out" if _is_heldout(sample.id, cfg.data.eval_fraction) else "train"]
+        part[0].append(sample)
+        part[1].append(i)
+    log(f"data: {len(split['train'][0])} train / {len(split['held_out'][0])} held-out samples from shards "
+        f"{cfg.data.shards}")
+    return ((split["train"][0], ShardTaps(reader, split["train"][1])),
+            (split["held_out"][0], ShardTaps(reader, split["held_out"][1])))
+
+
 def fill_eval_taps(eval_mbs: list[MicroBatch], taps: list[torch.Tensor], dtype: torch.dtype) -> None:
     """Held-out micro-batches (one sample each, in order) get their stored taps, zero-padded."""
     for mb, row in zip(eval_mbs, taps):
@@ -123,8 +158,8 @@ def validate_run(cfg: RunConfig, topo: Topology) -> None:
     if topo.mode == "disaggregated" and cfg.train.max_minutes:
         raise ValueError("train.max_minutes needs mode=colocated: target ranks must know the step count in "
                          "advance; set train.max_steps instead")
-    if topo.mode == "offline":
-        raise ValueError("topology.mode=offline: not wired into train yet; use dflash-train prepare + colocated")
+    if topo.mode == "offline" and not cfg.data.shards:
+        raise ValueError("topology.mode=offline needs data.shards=DIR (written by `dflash-train prepare`)")
 
 
 def describe(cfg: RunConfig, dcfg: DrafterConfig, topo: Topology, n_train: int, n_eval: int, total: int,

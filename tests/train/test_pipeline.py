@@ -111,3 +111,18 @@ def test_watchdog_stops_a_stalled_job_with_stacks(tiny_target_dir, tmp_path):
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "WATCHDOG" in output and "inject_fault" in output and "last stage" in output
+
+
+def test_offline_training_from_prepared_shards(tiny_target_dir, tmp_path):
+    """prepare writes shards; two drafter ranks (DDP) train from them with no target forward."""
+    shards = tmp_path / "shards"
+    prep = subprocess.run([sys.executable, "-m", "dflash_train", "prepare", "--target", str(tiny_target_dir),
+                           "--data", "chitchat", "--out", str(shards), "--max-samples", "80", "--max-len", "256"],
+                          env=env(), capture_output=True, text=True, timeout=240)
+    assert prep.returncode == 0, prep.stdout[-2000:] + prep.stderr[-2000:]
+    out = tmp_path / "run"
+    proc = run(2, tiny_target_dir, out, "topology.mode=offline", f"data.shards={shards}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "from shards" in proc.stdout
+    got = losses(out)
+    assert sorted(got) == list(range(1, STEPS + 1)) and all(v > 0 for v in got.values())
