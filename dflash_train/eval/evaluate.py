@@ -1,0 +1,174 @@
+"""`evaluate`: real speculative decoding of prompt sets with a drafter against its target, versus
+plain target decoding of the same prompts; the library entry that the CLI and the training job use.
+
+Conventions:
+- Prompts are message lists (an optional system message, then user/assistant turns); trailing
+  assistant turns are dropped, so every prompt ends with a user turn, and it is rendered with the
+  target's chat template and `add_generation_prompt=True` (`thinking` sets `enable_thinking`
+  where the template reads it).
+- Generation stops at the target's end tokens (`eos_token_ids`) or after `max_new_tokens`.
+- Each prompt gets its own generator seeded `seed + index`, shared by the speculative and the plain
+  run, so a run is reproducible; the first prompt is decoded once untimed (warm-up) so kernel
+  start-up does not count against either decoder.
+- tau = tokens per target verification forward (accepted + 1), pooled over all steps of a set;
+  see `report.py` for every figure in the report.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_train.eval import report as rep
+from dflash_train.eval.spec_decode import GenResult, SpecResult, speculative_generate, target_generate
+from dflash_train.model.drafter import DFlashDrafter
+
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
+
+
+def check_compatible(drafter: DFlashDrafter, target) -> None:
+    """Raise ValueError naming the mismatch when the drafter was not built for this target."""
+    try:
+        drafter.config.check_target(target.hidden_size, target.num_layers, target.vocab_size)
+    except ValueError as e:
+        raise ValueError(f"drafter is not compatible with target {getattr(target, 'name', '?')}: {e}") from None
+
+
+def _as_ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)]
+
+
+def eos_token_ids(tokenizer, model) -> set[int]:
+    """End tokens: the generation config's and the tokenizer's eos, plus the usual end-of-turn tokens
+    that exist in the vocabulary (chat models end a reply with these, not always with eos)."""
+    ids = set(_as_ids(getattr(getattr(model, "generation_config", None), "eos_token_id", None)))
+    ids |= set(_as_ids(getattr(model.config, "eos_token_id", None)))
+    ids |= set(_as_ids(getattr(tokenizer, "eos_token_id", None)))
+    vocab = tokenizer.get_vocab()
+    ids |= {vocab[t] for t in END_OF_TURN_TOKENS if t in vocab}
+    return ids
+
+
+def prompt_messages(messages: list[dict]) -> list[dict]:
+    """The conversation up to and including its last user turn."""
+    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
+    if last_user is None:
+        raise ValueError("a prompt needs at least one user message")
+    return messages[: last_user + 1]
+
+
+def encode_prompts(tokenizer, prompts: list[list[dict]], thinking: bool | None,
+                   device: torch.device) -> list[torch.Tensor]:
+    """Chat-template token ids [1, P] of each prompt, ready for generation."""
+    from dflash_train.data.conversations import render_chat
+
+    encoded = []
+    for messages in prompts:
+        text = render_chat(tokenizer, prompt_messages(messages), add_generation_prompt=True, thinking=thinking)
+        # the template already writes bos and role markers: add no special tokens twice
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+        encoded.append(ids.to(device))
+    return encoded
+
+
+def _generator(device: torch.device, seed: int) -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _decode_both(drafter, target, ids: torch.Tensor, opts: dict, seed: int) -> tuple[SpecResult, GenResult]:
+    """Speculative and plain decoding of one prompt, each from its own generator of the same seed."""
+    device = ids.device
+    spec = speculative_generate(target.model, drafter, target.embed_weight, target.lm_head_weight,
+                                drafter.config.target_layer_ids, ids, opts["max_new_tokens"], opts["eos"],
+                                opts["temperature"], _generator(device, seed), opts["block_size"])
+    plain = target_generate(target.model, ids, opts["max_new_tokens"], opts["eos"], opts["temperature"],
+                            _generator(device, seed))
+    return spec, plain
+
+
+def _run_sets(drafter, target, encoded: dict[str, list[torch.Tensor]], opts: dict, seed: int,
+              progress: bool) -> dict[str, tuple[list[SpecResult], list[GenResult]]]:
+    """Decode every prompt of every set, with a progress bar showing both decoders' tokens/s."""
+    from tqdm.auto import tqdm
+
+    results: dict[str, tuple[list[SpecResult], list[GenResult]]] = {}
+    total = sum(len(v) for v in encoded.values())
+    spec_tok = spec_s = plain_tok = plain_s = 0.0
+    with tqdm(total=total, desc="eval", unit="prompt", disable=not progress, dynamic_ncols=True) as bar:
+        for name, prompts in encoded.items():
+            spec_list, plain_list = [], []
+            for i, ids in enumerate(prompts):
+                spec, plain = _decode_both(drafter, target, ids, opts, seed + i)
+                spec_list.append(spec)
+                plain_list.append(plain)
+                spec_tok, spec_s = spec_tok + len(spec.tokens), spec_s + spec.seconds
+                plain_tok, plain_s = plain_tok + len(plain.tokens), plain_s + plain.seconds
+                bar.set_postfix_str(f"{name} tau {spec.tau:.2f} spec {spec_tok / max(spec_s, 1e-9):.1f} tok/s "
+                                    f"target {plain_tok / max(plain_s, 1e-9):.1f} tok/s")
+                bar.update(1)
+            results[name] = (spec_list, plain_list)
+    return results
+
+
+def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[dict]]], *,
+             max_new_tokens: int = 128, temperature: float = 0.0, thinking: bool | None = None,
+             block_size: int | None = None, seed: int = 0, out_dir: str | Path | None = None,
+             progress: bool = True, warmup: bool = True) -> dict:
+    """Real speculative decoding vs plain target decoding on each prompt set.
+
+    `target` is a `dflash_train.model.target.Target`; `drafter` an unwrapped `DFlashDrafter` on any
+    device (taps and embeddings are moved to it). Returns the report: {"sets": {name: figures},
+    "overall": figures pooled over all sets, settings...}; with `out_dir`, also writes
+    report.json and the PNG plots there.
+    """
+    check_compatible(drafter, target)
+    block_size = block_size or drafter.config.block_size
+    device = target.embed_weight.device
+    eos = eos_token_ids(target.tokenizer, target.model)
+    encoded = {name: encode_prompts(target.tokenizer, prompts, thinking, device)
+               for name, prompts in prompt_sets.items() if prompts}
+    if not encoded:
+        raise ValueError("no prompts to evaluate")
+    opts = {"max_new_tokens": max_new_tokens, "eos": eos, "temperature": temperature, "block_size": block_size}
+    was_training = drafter.training
+    drafter.eval()
+    try:
+        if warmup:
+            first = next(iter(encoded.values()))[0]
+            _decode_both(drafter, target, first, {**opts, "max_new_tokens": min(32, max_new_tokens)}, seed)
+        t0 = time.perf_counter()
+        results = _run_sets(drafter, target, encoded, opts, seed, progress)
+    finally:
+        drafter.train(was_training)
+    report = _assemble(results, block_size, opts, thinking, seed, time.perf_counter() - t0)
+    report["target"], report["device"] = getattr(target, "name", "?"), str(device)
+    cfg = drafter.config
+    report["drafter"] = {"num_layers": cfg.num_layers, "block_size": cfg.block_size,
+                         "target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id}
+    if out_dir is not None:
+        out = Path(out_dir)
+        report["plots"] = [str(p) for p in rep.plot(report["sets"], out)]
+        report["report"] = str(rep.write_json(report, out))
+    return report
+
+
+def _assemble(results: dict, block_size: int, opts: dict, thinking: bool | None, seed: int,
+              seconds: float) -> dict:
+    sets = {name: rep.summarize(spec, plain, block_size) for name, (spec, plain) in results.items()}
+    all_spec = [r for spec, _ in results.values() for r in spec]
+    all_plain = [r for _, plain in results.values() for r in plain]
+    return {
+        "block_size": block_size,
+        "max_new_tokens": opts["max_new_tokens"],
+        "temperature": opts["temperature"],
+        "thinking": thinking,
+        "seed": seed,
+        "eos_token_ids": sorted(opts["eos"]),
+        "wall_seconds": seconds,
+        "sets": sets,
+        "overall": rep.summarize(all_spec, all_plain, block_size),
+    }

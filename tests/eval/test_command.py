@@ -1,0 +1,117 @@
+"""`evaluate` and `dflash-train eval` end to end on a tiny random Qwen3 target that uses the real
+SmolLM2 tokenizer and chat template (fixtures in tests/conftest.py), with tiny saved drafters."""
+
+import json
+
+import pytest
+import torch
+
+from dflash_train.cli import main
+from dflash_train.eval.evaluate import eos_token_ids, evaluate, prompt_messages
+from dflash_train.eval.report import HISTOGRAM_PNG, PER_POSITION_PNG
+from dflash_train.model.config import drafter_config_from_target
+from dflash_train.model.drafter import DFlashDrafter
+from dflash_train.model.hf_format import save_zlab
+from dflash_train.model.target import resolve_mask_token_id
+
+PROMPTS = [
+    {"conversations": [{"from": "human", "value": "Hi! How are you today?"}]},
+    {"messages": [{"role": "user", "content": "Tell me a joke."}, {"role": "assistant", "content": "No."},
+                  {"role": "user", "content": "Please, a short one."}, {"role": "assistant", "content": "OK"}]},
+    {"messages": [{"role": "user", "content": "What is 2 + 2?"}]},
+]
+
+
+def _drafter(target_config, tokenizer, hidden=None, block_size=4) -> DFlashDrafter:
+    mask = resolve_mask_token_id(tokenizer, target_config.vocab_size)
+    cfg = drafter_config_from_target(target_config, num_layers=1, block_size=block_size, mask_token_id=mask,
+                                     num_taps=2)
+    if hidden is not None:  # a drafter for another (wider) target
+        from dataclasses import replace
+
+        cfg = replace(cfg, hidden_size=hidden)
+    drafter = DFlashDrafter(cfg)
+    drafter.reset_parameters(generator=torch.Generator().manual_seed(0))
+    return drafter.eval()
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("prompts") / "mine.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
+    return path
+
+
+def test_prompt_messages_end_with_the_last_user_turn():
+    msgs = PROMPTS[1]["messages"]
+    assert prompt_messages(msgs) == msgs[:3]
+    with pytest.raises(ValueError, match="user message"):
+        prompt_messages([{"role": "system", "content": "x"}])
+
+
+def test_evaluate_library_call(tiny_qwen3_target, tmp_path):
+    t = tiny_qwen3_target
+    assert t.tokenizer.convert_tokens_to_ids("<|im_end|>") in eos_token_ids(t.tokenizer, t.model)
+    drafter = _drafter(t.config, t.tokenizer)
+    sets = {"a": [m["messages"] for m in PROMPTS[1:]], "b": [[{"role": "user", "content": "Hello there"}]]}
+    report = evaluate(drafter, t, sets, max_new_tokens=12, out_dir=tmp_path, progress=False)
+    assert set(report["sets"]) == {"a", "b"} and report["block_size"] == 4
+    for name, s in report["sets"].items():
+        assert s["num_prompts"] == len(sets[name])
+        assert s["steps"] == sum(s["accepted_length_histogram"]) > 0
+        assert 1.0 <= s["tau"] <= 4.0 and len(s["per_position_acceptance"]) == 3
+        assert 0 < s["spec_tokens"] <= 12 * s["num_prompts"] and s["speedup"] > 0
+    assert report["overall"]["num_prompts"] == 3
+    on_disk = json.loads((tmp_path / "report.json").read_text())
+    assert on_disk["overall"]["tau"] == pytest.approx(report["overall"]["tau"])
+    assert (tmp_path / PER_POSITION_PNG).stat().st_size > 0 and (tmp_path / HISTOGRAM_PNG).stat().st_size > 0
+    assert not drafter.training  # mode restored
+
+
+def test_evaluate_rejects_a_drafter_for_another_target(tiny_qwen3_target):
+    t = tiny_qwen3_target
+    wrong = _drafter(t.config, t.tokenizer, hidden=96)
+    with pytest.raises(ValueError, match="not compatible with target tiny-qwen3: hidden_size 96"):
+        evaluate(wrong, t, {"a": [[{"role": "user", "content": "hi"}]]}, progress=False)
+
+
+def test_cli_eval_end_to_end(tiny_qwen3_target, tiny_qwen3_dir, prompts_file, tmp_path, capsys):
+    drafter_dir = save_zlab(_drafter(tiny_qwen3_target.config, tiny_qwen3_target.tokenizer), tmp_path / "drafter",
+                            dtype=torch.float32)
+    out = tmp_path / "out"
+    rc = main(["eval", "--drafter", str(drafter_dir), "--target", str(tiny_qwen3_dir), "--prompts", str(prompts_file),
+               "--num-prompts", "2", "--max-new-tokens", "10", "--out", str(out), "--device", "cpu",
+               "--thinking", "off", "--no-progress"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    assert "dflash-train eval: OK tau=" in text and "speedup=" in text
+    report = json.loads((out / "report.json").read_text())
+    assert list(report["sets"]) == ["mine"] and report["sets"]["mine"]["num_prompts"] == 2
+    assert report["thinking"] is False and report["max_new_tokens"] == 10
+    assert (out / PER_POSITION_PNG).is_file() and (out / HISTOGRAM_PNG).is_file()
+
+
+def test_cli_eval_default_prompt_sets(tiny_qwen3_target, tiny_qwen3_dir, tmp_path, capsys):
+    pytest.importorskip("dflash_train.data.corpus")
+    drafter_dir = save_zlab(_drafter(tiny_qwen3_target.config, tiny_qwen3_target.tokenizer, block_size=3),
+                            tmp_path / "drafter", dtype=torch.float32)
+    rc = main(["eval", "--drafter", str(drafter_dir), "--target", str(tiny_qwen3_dir), "--num-prompts", "1",
+               "--max-new-tokens", "6", "--temperature", "0.7", "--out", str(tmp_path / "out"), "--device", "cpu"])
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert set(report["sets"]) == {"assistant", "chitchat"} and report["block_size"] == 3
+    assert report["temperature"] == 0.7
+
+
+def test_cli_eval_fails_clearly(tiny_qwen3_target, tiny_qwen3_dir, tmp_path, capsys):
+    wrong = save_zlab(_drafter(tiny_qwen3_target.config, tiny_qwen3_target.tokenizer, hidden=96), tmp_path / "d",
+                      dtype=torch.float32)
+    rc = main(["eval", "--drafter", str(wrong), "--target", str(tiny_qwen3_dir), "--out", str(tmp_path / "o"),
+               "--device", "cpu"])
+    text = capsys.readouterr().out
+    assert rc == 1
+    assert "dflash-train eval: FAILED: drafter is not compatible with target" in text
+    rc = main(["eval", "--drafter", str(tmp_path / "missing"), "--target", str(tiny_qwen3_dir), "--device", "cpu"])
+    text = capsys.readouterr().out
+    assert rc == 1 and "dflash-train eval: FAILED: " in text and "no config.json" in text

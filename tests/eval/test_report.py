@@ -1,0 +1,53 @@
+"""tau, per-position acceptance, histogram and speed figures on hand-made cases; plots and table."""
+
+import pytest
+
+from dflash_train.eval.report import HISTOGRAM_PNG, PER_POSITION_PNG, acceptance_stats, plot, summarize, summary_table
+from dflash_train.eval.spec_decode import GenResult, SpecResult
+
+
+def test_acceptance_stats_by_hand():
+    # five verification steps of a B=4 drafter: accepted 0, 3, 1, 3, 2 -> emitted 1, 4, 2, 4, 3 tokens
+    s = acceptance_stats([0, 3, 1, 3, 2], block_size=4)
+    assert s["tau"] == pytest.approx(14 / 5)  # 2.8 tokens per target forward
+    assert s["per_position_acceptance"] == pytest.approx([4 / 5, 3 / 5, 2 / 5])
+    assert s["accepted_length_histogram"] == [1, 1, 1, 2]
+    assert s["steps"] == 5
+    assert s["tau"] == pytest.approx(1 + sum(s["per_position_acceptance"]))  # tau = 1 + sum_k P(slot k accepted)
+
+
+def test_acceptance_stats_edge_cases():
+    assert acceptance_stats([], 4) == {"tau": 0.0, "steps": 0, "per_position_acceptance": [0.0, 0.0, 0.0],
+                                       "accepted_length_histogram": [0, 0, 0, 0]}
+    assert acceptance_stats([0, 0], 2)["tau"] == 1.0  # nothing accepted: one token per forward
+    with pytest.raises(ValueError, match="accepted counts"):
+        acceptance_stats([4], 4)
+
+
+def test_summarize_pools_steps_and_times():
+    spec = [SpecResult([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [3, 3, 1], 4, 2.0, False),
+            SpecResult([5] * 20, [0, 2, 3], 4, 3.0, True)]
+    plain = [GenResult([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 4.0, False), GenResult([6] * 20, 6.0, True)]
+    s = summarize(spec, plain, block_size=4)
+    assert spec[0].tau == pytest.approx(10 / 3)
+    assert s["tau"] == pytest.approx((4 + 4 + 2 + 1 + 3 + 4) / 6)  # pooled over steps, not prompts
+    assert s["per_position_acceptance"] == pytest.approx([5 / 6, 4 / 6, 3 / 6])
+    assert s["accepted_length_histogram"] == [1, 1, 1, 3]
+    assert s["spec_tokens_per_s"] == pytest.approx(30 / 5.0)
+    assert s["target_tokens_per_s"] == pytest.approx(30 / 10.0)
+    assert s["speedup"] == pytest.approx(2.0)
+    assert s["num_prompts"] == 2 and s["identical_outputs"] == 1
+
+
+def test_plots_and_table(tmp_path):
+    a = acceptance_stats([0, 3, 1, 3, 2], 4)
+    b = acceptance_stats([1, 1, 0], 4)
+    extra = {"num_prompts": 1, "spec_tokens": 14, "spec_tokens_per_s": 7.0, "target_tokens_per_s": 3.5,
+             "speedup": 2.0, "identical_outputs": 1}
+    sets = {"assistant": {**a, **extra}, "chitchat": {**b, **extra}}
+    paths = plot(sets, tmp_path)
+    assert [p.name for p in paths] == [PER_POSITION_PNG, HISTOGRAM_PNG]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
+    table = summary_table(sets)
+    assert "assistant" in table and "chitchat" in table and "2.80" in table and "2.00x" in table

@@ -1,0 +1,236 @@
+"""Speculative decoding is exact: greedy output equals the target's greedy output token for token,
+and rejection sampling reproduces the target's distribution."""
+
+import math
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+from eval_helpers import BigramLM, tiny_drafter, tiny_qwen3_config, tiny_target
+
+from dflash_train.eval import spec_decode
+from dflash_train.eval.spec_decode import accept_greedy, speculative_generate, target_generate
+
+
+def _spec(target, drafter, prompt, n, eos=(), block_size=None, temperature=0.0, generator=None):
+    return speculative_generate(target, drafter, target.get_input_embeddings().weight,
+                                target.get_output_embeddings().weight, drafter.config.target_layer_ids, prompt, n,
+                                eos, temperature=temperature, generator=generator, block_size=block_size)
+
+
+def oracle_draft(truth: list[int], prompt_len: int, vocab: int, p_right: float, seed: int):
+    """A stand-in for `draft_logits` that proposes the target's true greedy token with probability
+    p_right (else a wrong one), so steps accept 0..B-1 tokens and every crop path runs."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def draft(drafter, ctx, anchor, embed_weight, lm_head_weight, block_size):
+        logits = torch.zeros(block_size - 1, vocab, dtype=torch.float64)
+        for k in range(1, block_size):
+            j = ctx.length + k - prompt_len  # index of slot k's position among generated tokens
+            want = truth[j] if j < len(truth) else 0
+            if torch.rand(1, generator=gen).item() >= p_right:
+                want = (want + 1 + int(torch.randint(vocab - 1, (1,), generator=gen))) % vocab
+            logits[k - 1, want] = 10.0
+        return logits
+
+    return draft
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    return tiny_target(seed=0, layers=4)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 96, (1, n), generator=g) for n in (5, 11)]
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8])
+def test_greedy_equals_target_with_random_drafter(qwen3, prompts, block_size):
+    drafter = tiny_drafter(qwen3.config, block_size=block_size)
+    for prompt in prompts:
+        plain = target_generate(qwen3, prompt, 24, [])
+        spec = _spec(qwen3, drafter, prompt, 24)
+        assert spec.tokens == plain.tokens and len(spec.tokens) == 24
+        assert spec.block_size == block_size and len(spec.accepted) >= 1
+        # an untrained drafter is (almost) never right: about one token per verification
+        assert 1.0 <= spec.tau < 1.5
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8])
+def test_greedy_stops_at_eos_like_the_target(qwen3, prompts, block_size):
+    drafter = tiny_drafter(qwen3.config, block_size=block_size)
+    prompt = prompts[1]
+    free = target_generate(qwen3, prompt, 24, []).tokens
+    eos = free[9]  # a token the target emits; generation must stop at its first occurrence
+    stop = free.index(eos)
+    plain = target_generate(qwen3, prompt, 24, [eos])
+    spec = _spec(qwen3, drafter, prompt, 24, eos=[eos])
+    assert plain.tokens == free[: stop + 1] and plain.stopped_by_eos
+    assert spec.tokens == plain.tokens and spec.stopped_by_eos
+    # eos as the very first token: one token, no verification step
+    first = _spec(qwen3, drafter, prompt, 24, eos=[free[0]])
+    assert first.tokens == [free[0]] and first.accepted == [] and first.tau == 0.0
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8])
+def test_greedy_equals_target_when_drafts_are_accepted(qwen3, prompts, block_size, monkeypatch):
+    """Partial and full acceptance, cache crops and bonus tokens: still the target's output."""
+    drafter = tiny_drafter(qwen3.config, block_size=block_size)
+    accepted = []
+    for i, prompt in enumerate(prompts):
+        truth = target_generate(qwen3, prompt, 40 + block_size, []).tokens
+        monkeypatch.setattr(spec_decode, "draft_logits", oracle_draft(truth, prompt.shape[1], 97, 0.75, seed=i))
+        first_seen = {t: truth.index(t) for t in truth[:40]}
+        eos = [max(first_seen, key=first_seen.get)]  # the token that appears last: a late stop
+        spec = _spec(qwen3, drafter, prompt, 40, eos=eos)
+        assert spec.tokens == target_generate(qwen3, prompt, 40, eos).tokens
+        accepted += spec.accepted
+    hist = Counter(accepted)
+    assert sum(a + 1 for a in accepted) / len(accepted) > 1.5
+    assert set(hist) == set(range(block_size)) or len(hist) >= 3, hist  # rejections, partial and full
+
+
+def test_accept_greedy_by_hand():
+    logits = torch.full((4, 10), -1.0)
+    for row, tok in enumerate([3, 5, 7, 9]):  # target argmax after slots 0..3
+        logits[row, tok] = 1.0
+    assert accept_greedy(torch.tensor([3, 5, 1]), logits) == (2, 7)
+    assert accept_greedy(torch.tensor([0, 5, 7]), logits) == (0, 3)  # a later match does not count
+    assert accept_greedy(torch.tensor([3, 5, 7]), logits) == (3, 9)  # all accepted: the bonus
+
+
+def test_sampling_is_seeded_and_runs_on_qwen3(qwen3, prompts):
+    drafter = tiny_drafter(qwen3.config, block_size=4)
+    runs = [_spec(qwen3, drafter, prompts[0], 16, temperature=0.8, generator=torch.Generator().manual_seed(5))
+            for _ in range(2)]
+    assert runs[0].tokens == runs[1].tokens and len(runs[0].tokens) == 16
+    assert all(0 <= t < 97 for t in runs[0].tokens)
+    plain = [target_generate(qwen3, prompts[0], 16, [], 0.8, torch.Generator().manual_seed(s)).tokens for s in (1, 2)]
+    assert plain[0] != plain[1]  # sampling really samples
+
+
+# ---------------------------------------------------------------------------------------------
+# Distribution test: bigram target (exact conditionals known), vocabulary 8
+
+
+class StubDrafter(torch.nn.Module):
+    """Just enough drafter for `speculative_generate` when `draft_logits` is replaced by a table:
+    the context cache only stores the taps."""
+
+    def __init__(self, block_size: int, mask_token_id: int):
+        super().__init__()
+        self.config = SimpleNamespace(block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=(0, 2))
+        self.dummy = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+
+    def fuse_context(self, taps):
+        return taps
+
+    def context_kv(self, ctx, positions):
+        return [(ctx[:, None], ctx[:, None])]  # [b, 1, n, K*H]: what ContextCache concatenates
+
+
+def table_draft(vocab: int, seed: int):
+    """Draft logits from a random table indexed by (anchor, slot): far from the target's conditionals."""
+    table = torch.randn(vocab, 16, vocab, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2
+
+    def draft(drafter, ctx, anchor, embed_weight, lm_head_weight, block_size):
+        return table[anchor, : block_size - 1]  # [B-1, V]
+
+    return draft
+
+
+def _chi2_critical(dof: int, z: float = 3.719) -> float:
+    """Upper chi-square quantile (Wilson-Hilferty); z = 3.719 is the 1e-4 normal tail."""
+    c = 2.0 / (9.0 * dof)
+    return dof * (1.0 - c + z * math.sqrt(c)) ** 3
+
+
+def _chi2(counts: Counter, expected: dict, n: int) -> tuple[float, int]:
+    """Pearson chi-square with cells of expected count < 5 pooled into one; returns (stat, dof)."""
+    stat, pooled_obs, pooled_exp, cells = 0.0, 0, 0.0, 0
+    for cell, p in expected.items():
+        e = p * n
+        if e < 5:
+            pooled_obs, pooled_exp = pooled_obs + counts.get(cell, 0), pooled_exp + e
+        else:
+            stat, cells = stat + (counts.get(cell, 0) - e) ** 2 / e, cells + 1
+    if pooled_exp > 0:
+        stat, cells = stat + (pooled_obs - pooled_exp) ** 2 / pooled_exp, cells + 1
+    return stat, cells - 1
+
+
+def _sample_triples(target: BigramLM, block_size: int, n: int, temperature: float) -> Counter:
+    gen = torch.Generator().manual_seed(1234)
+    drafter = StubDrafter(block_size, mask_token_id=7)
+    prompt = torch.tensor([[2, 5]])
+    counts = Counter()
+    for _ in range(n):
+        r = speculative_generate(target, drafter, target.embed, target.embed, (0, 2), prompt, 3, [],
+                                 temperature=temperature, generator=gen, block_size=block_size)
+        counts[tuple(r.tokens)] += 1
+    return counts
+
+
+def _exact_triples(target: BigramLM, temperature: float) -> dict:
+    p1 = target.next_probs(5, temperature)
+    return {(a, b, c): float(p1[a] * target.next_probs(a, temperature)[b] * target.next_probs(b, temperature)[c])
+            for a in range(8) for b in range(8) for c in range(8)}
+
+
+@pytest.mark.parametrize("block_size", [2, 4])
+def test_rejection_sampling_preserves_target_distribution(block_size, monkeypatch):
+    """3 sampled tokens after a prompt: the first from the prefill, the next two through draft
+    slots, rejections, corrections and (B=2) bonus tokens. Their joint must match the target's
+    p(a) p(b|a) p(c|b) (chi-square at 1e-4 and total variation); the same test must reject a
+    classic bug (after a rejection, resampling from p instead of the residual max(p - q, 0))."""
+    temperature, n = 0.9, 2000
+    target = BigramLM(vocab=8, hidden=4, num_layers=3, seed=0)
+    monkeypatch.setattr(spec_decode, "draft_logits", table_draft(8, seed=1))
+    exact = _exact_triples(target, temperature)
+    counts = _sample_triples(target, block_size, n, temperature)
+    stat, dof = _chi2(counts, exact, n)
+    assert stat < _chi2_critical(dof), (stat, dof)
+    tv = 0.5 * sum(abs(counts.get(c, 0) / n - p) for c, p in exact.items())
+    assert tv < 0.12, tv  # loose: 512 cells; the chi-square above is the sharp check
+
+    exact_accept = spec_decode.accept_sampled
+
+    def resample_from_p(draft, q, p, generator):
+        acc, nxt = exact_accept(draft, q, p, generator)
+        if acc < draft.shape[0]:  # the bug: a correction drawn from p, biased towards q's tokens
+            nxt = int(torch.multinomial(p[acc], 1, generator=generator))
+        return acc, nxt
+
+    monkeypatch.setattr(spec_decode, "accept_sampled", resample_from_p)
+    bad_stat, bad_dof = _chi2(_sample_triples(target, block_size, n, temperature), exact, n)
+    assert bad_stat > _chi2_critical(bad_dof), (bad_stat, bad_dof)
+
+
+# ---------------------------------------------------------------------------------------------
+# The real SmolLM2 target
+
+
+@pytest.mark.slow
+def test_greedy_equals_target_on_smollm2(smollm2_target, monkeypatch):
+    t = smollm2_target
+    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    text = t.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = t.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    plain = target_generate(t.model, prompt, 32 + 8, [])
+    drafter = tiny_drafter(t.config, block_size=2, mask_token_id=0, dtype=torch.float32, std=0.02)
+
+    def spec(block_size):
+        return speculative_generate(t.model, drafter, t.embed_weight, t.lm_head_weight,
+                                    drafter.config.target_layer_ids, prompt, 32, [], block_size=block_size)
+
+    random_drafter = spec(2)
+    assert random_drafter.tokens == plain.tokens[:32]
+    monkeypatch.setattr(spec_decode, "draft_logits",
+                        oracle_draft(plain.tokens, prompt.shape[1], t.vocab_size, 0.8, seed=0))
+    accepting = spec(4)
+    assert accepting.tokens == plain.tokens[:32]
+    assert accepting.tau > 1.5
