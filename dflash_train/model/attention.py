@@ -65,7 +65,9 @@ def mask_rule(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, b, q, k
     anchor = anchors[b, block]
     kept = keep[b, block]
     is_ctx = kv < S
-    blk_index = (kv - S).clamp(min=0)  # clamp keeps the index math valid for context keys
+    # 0 for context keys keeps the index math valid. torch.where, not (kv - S).clamp(min=0): inductor
+    # fails to compile `clamp(kv - S, min=0) // B` in create_block_mask ("vr must not be None", 2.13).
+    blk_index = torch.where(is_ctx, 0, kv - S)
     same_block = (~is_ctx) & (blk_index // B == block)
     ctx_ok = is_ctx & (kv < anchor) & kept
     if spec.sliding_window is not None:

@@ -1,0 +1,394 @@
+"""Shared pieces of the bench scripts: repo path, phases that survive failures, timing, the
+measured matmul peak, random Qwen3-8B-shaped targets and drafters, synthetic batches, reporting.
+
+Every script prints progress lines `[name +12s] ...` (flushed), one `RESULT key=value` line per
+figure, and ends with one `VERDICT name: ...` line. A failing phase prints `PHASE FAILED ...` and
+the script goes on with what does not depend on it; the exit status is 0 only if no phase failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+GIB = 1024 ** 3
+ISSUE_PEAK_TFLOPS = 790.0  # H200 bf16, the issue's figure
+SPECULATORS = {"tok_s": 18.5e3, "s_per_step": 0.166, "peak_gib": 37.0}  # speculators 0.9.0 baseline
+
+# Qwen3-8B shapes (the paper's target) and the tiny CPU smoke shapes.
+PAPER_TARGET = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                    num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                    rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1e6)
+SMALL_TARGET = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096,
+                    rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1e6)
+PAPER_MASK_TOKEN = 151669  # the z-lab Qwen3 drafters' mask token id
+
+
+class Bench:
+    """Progress log, failure-tolerant phases, figures, JSON and the final verdict line."""
+
+    def __init__(self, name: str, args=None, rank: int | None = None):
+        self.name, self.args = name, args
+        self.prefix = name if rank is None else f"{name} rank{rank}"
+        self.t0 = time.perf_counter()
+        self.figures: dict = {}
+        self.info: dict = {}
+        self.failed: list[str] = []
+        self.log(f"start: {' '.join(sys.argv)}")
+
+    def log(self, message: str) -> None:
+        print(f"[{self.prefix} +{time.perf_counter() - self.t0:.0f}s] {message}", flush=True)
+
+    @contextlib.contextmanager
+    def phase(self, title: str):
+        """Run a block; on an exception print one clear line (and the traceback tail), record the
+        failure and carry on after the block. Check `ok(title)` before using what it built."""
+        self.log(f"phase '{title}': start")
+        start = time.perf_counter()
+        try:
+            yield
+        except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
+            self.failed.append(title)
+            first = (str(e).strip().splitlines() or [""])[0][:300]
+            self.log(f"PHASE FAILED '{title}' after {time.perf_counter() - start:.1f}s: {type(e).__name__}: {first}")
+            tail = traceback.format_exc().strip().splitlines()[-14:]
+            print("\n".join("    | " + line for line in tail), flush=True)
+            if torch.cuda.is_available():
+                with contextlib.suppress(Exception):
+                    torch.cuda.synchronize()
+                    torch.cuda.empty_cache()
+        else:
+            self.log(f"phase '{title}': done in {time.perf_counter() - start:.1f}s")
+
+    def ok(self, *titles: str) -> bool:
+        return not any(t in self.failed for t in titles)
+
+    def figure(self, key: str, value, note: str = "") -> None:
+        self.figures[key] = value
+        shown = f"{value:.6g}" if isinstance(value, float) else value
+        print(f"RESULT {key}={shown}" + (f"  # {note}" if note else ""), flush=True)
+
+    def finish(self, verdict: str, json_path: str | None) -> int:
+        status = "OK" if not self.failed else f"PARTIAL (failed: {', '.join(self.failed)})"
+        if json_path:
+            payload = {"bench": self.name, "status": status, "figures": self.figures, "info": self.info,
+                       "failed": self.failed, "env": environment(), "command": " ".join(sys.argv),
+                       "date": datetime.date.today().isoformat()}
+            try:
+                Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+                Path(json_path).write_text(json.dumps(payload, indent=2, default=str))
+                self.log(f"figures written to {json_path}")
+            except OSError as e:
+                self.log(f"could not write {json_path}: {e}")
+        print(f"VERDICT {self.name}: {status}: {verdict}", flush=True)
+        return 0 if not self.failed else 1
+
+
+def environment() -> dict:
+    env = {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node(),
+           "cpu_threads": torch.get_num_threads()}
+    with contextlib.suppress(Exception):
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    if torch.cuda.is_available():
+        env["cuda"] = torch.version.cuda
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        with contextlib.suppress(Exception):
+            import triton
+
+            env["triton"] = triton.__version__
+    return env
+
+
+def pick_device(small: bool, requested: str = "auto") -> torch.device:
+    """`--small` runs on the CPU unless `--device cuda` is asked for; otherwise CUDA if present."""
+    if requested != "auto":
+        return torch.device(requested)
+    if small or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def cpu_threads(small: bool) -> None:
+    """The smoke runs use one thread: on small shared CPUs, 2 threads make tiny matmuls 30x slower."""
+    if small and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median(values) -> float:
+    return float(statistics.median(values)) if values else float("nan")
+
+
+def time_calls(fn, reps: int, device: torch.device) -> list[float]:
+    """Seconds of each of `reps` calls of fn(), each bracketed by a device synchronisation."""
+    times = []
+    for _ in range(reps):
+        sync(device)
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def measure_matmul_peak(device: torch.device, bench: Bench | None = None) -> tuple[float, str]:
+    """Achieved matmul FLOP/s in this run: bf16 8192^3 timed with CUDA events on GPU, fp32 on CPU."""
+    if device.type == "cuda":
+        n, dtype, reps = 8192, torch.bfloat16, 20
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        for _ in range(3):
+            a @ b
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(reps):
+            a @ b
+        end.record()
+        torch.cuda.synchronize(device)
+        seconds = start.elapsed_time(end) / 1e3 / reps
+        label = f"bf16 {n}^3 matmul, CUDA events"
+    else:
+        n, dtype, reps = 512, torch.float32, 10
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b
+        seconds = min(time_calls(lambda: a @ b, reps, device))
+        label = f"fp32 {n}^3 matmul on CPU, {torch.get_num_threads()} thread(s), best of {reps}"
+    flops = 2 * n ** 3 / seconds
+    if bench is not None:
+        bench.log(f"measured matmul peak {flops / 1e12:.3f} TFLOP/s ({label})")
+    return flops, label
+
+
+def peak_memory_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GIB
+    return float("nan")
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+# ------------------------------------------------------------------------------------------------
+# Models
+
+
+def target_config(small: bool, layers: int | None = None):
+    """A Qwen3Config with the Qwen3-8B shapes (or the tiny smoke shapes); SDPA attention."""
+    from transformers import Qwen3Config
+
+    kw = dict(SMALL_TARGET if small else PAPER_TARGET)
+    if layers is not None:
+        kw["num_hidden_layers"] = layers
+    return Qwen3Config(**kw, attn_implementation="sdpa")
+
+
+def random_target(cfg, device: torch.device, dtype: torch.dtype, std: float = 0.02):
+    """Qwen3ForCausalLM with random weights, frozen, in eval mode.
+
+    Built on the meta device and materialised with `to_empty` on the target device, then filled
+    with normal(0, std) (norm weights 1): an 8B model is ready in seconds on a GPU. The rotary
+    embedding's non-persistent `inv_freq` buffers, left uninitialised by `to_empty`, are copied
+    from a freshly constructed rotary module.
+    """
+    from transformers import Qwen3ForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen3ForCausalLM(cfg)
+    model = model.to(dtype).to_empty(device=device)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            kind = type(module).__name__
+            if kind.endswith("RMSNorm"):
+                module.weight.fill_(1.0)
+            elif kind.endswith("RotaryEmbedding"):
+                fresh = type(module)(config=cfg)
+                for buf_name, buf in fresh.named_buffers(recurse=False):
+                    getattr(module, buf_name).copy_(buf.to(device=device, dtype=getattr(module, buf_name).dtype))
+                if hasattr(fresh, "attention_scaling"):
+                    module.attention_scaling = fresh.attention_scaling
+            else:
+                for param in module.parameters(recurse=False):
+                    param.normal_(0.0, std, generator=generator)
+    return model.eval().requires_grad_(False)
+
+
+def random_drafter(dcfg, device: torch.device, std: float = 0.02):
+    """DFlashDrafter in float32 (as `setup.init_drafter` makes it), random normal(0, std) linears,
+    unit norms; materialised directly on the device."""
+    from dflash_train.model.drafter import DFlashDrafter, RMSNorm
+
+    with torch.device("meta"):
+        drafter = DFlashDrafter(dcfg)
+    drafter = drafter.to_empty(device=device).float()
+    generator = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for module in drafter.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.weight.normal_(0.0, std, generator=generator)
+                if module.bias is not None:
+                    module.bias.zero_()
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+    return drafter
+
+
+def drafter_config(tcfg, *, layers: int, block_size: int, small: bool):
+    from dflash_train.model.config import drafter_config_from_target
+
+    mask_id = tcfg.vocab_size - 1 if small else PAPER_MASK_TOKEN
+    return drafter_config_from_target(tcfg, num_layers=layers, block_size=block_size, mask_token_id=mask_id)
+
+
+def synthetic_ids(rows: int, seq_len: int, vocab: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab - 1, (rows, seq_len), generator=g)
+
+
+def synthetic_microbatch(rows: int, seq_len: int, num_anchors: int, vocab: int, taps_width: int,
+                         taps_dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """A MicroBatch of random ids, loss on every position (anchors uniform over the sequence),
+    anchors drawn by the package's `sample_anchors`, random taps already on the device."""
+    from dflash_train.data.anchors import sample_anchors
+    from dflash_train.train.batching import MicroBatch
+
+    input_ids = synthetic_ids(rows, seq_len, vocab, seed)
+    loss_mask = torch.ones(rows, seq_len, dtype=torch.long)
+    anchors = torch.zeros(rows, num_anchors, dtype=torch.long)
+    keep = torch.zeros(rows, num_anchors, dtype=torch.bool)
+    for r in range(rows):
+        anchors[r], keep[r] = sample_anchors(loss_mask[r], num_anchors, torch.Generator().manual_seed(seed + r))
+    taps = (torch.randn(rows, seq_len, taps_width, device=device, dtype=torch.float32)).to(taps_dtype)
+    return MicroBatch([f"bench{seed}-{r}" for r in range(rows)], input_ids, loss_mask, loss_mask.clone(),
+                      anchors, keep, taps)
+
+
+def mean_context(mb) -> float:
+    """Mean number of context positions a block sees (its anchor position), over kept anchors."""
+    kept = mb.anchors[mb.keep]
+    return float(kept.float().mean()) if kept.numel() else 0.0
+
+
+def step_context(dcfg, embed, lm_head, device: torch.device, backend: str, chunk_tokens: int,
+                 dp_group=None, num_drafters: int = 1):
+    from dflash_train.config import derived_gamma
+    from dflash_train.train.step import StepContext
+
+    return StepContext(embed_weight=embed, lm_head_weight=lm_head, block_size=dcfg.block_size,
+                       mask_token_id=dcfg.mask_token_id, layer_types=dcfg.layer_types,
+                       sliding_window=dcfg.sliding_window, gamma=derived_gamma(dcfg.block_size, None),
+                       chunk_tokens=chunk_tokens, backend=backend, device=device,
+                       autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+                       dp_group=dp_group, num_drafters=num_drafters)
+
+
+def frozen_embeddings(vocab: int, hidden: int, device: torch.device, dtype: torch.dtype, std: float = 0.02):
+    """Random stand-ins for the target's (untied) embedding and lm_head, frozen."""
+    g = torch.Generator(device=device).manual_seed(1)
+    embed = torch.empty(vocab, hidden, device=device, dtype=dtype).normal_(0, std, generator=g)
+    lm_head = torch.empty(vocab, hidden, device=device, dtype=dtype).normal_(0, std, generator=g)
+    return embed, lm_head
+
+
+def flops_for(tcfg, dcfg, *, seq_len: int, num_anchors: int, batch: int, mean_ctx: float | None = None) -> dict:
+    """`bench/flops.py::dflash_flops` for these configs."""
+    from bench.flops import dflash_flops
+
+    return dflash_flops(hidden=tcfg.hidden_size, num_heads=tcfg.num_attention_heads,
+                        num_kv_heads=tcfg.num_key_value_heads, head_dim=tcfg.head_dim,
+                        intermediate=dcfg.intermediate_size, vocab=tcfg.vocab_size, drafter_layers=dcfg.num_layers,
+                        seq_len=seq_len, num_anchors=num_anchors, block_size=dcfg.block_size,
+                        target_layers=tcfg.num_hidden_layers, tap_layers=dcfg.target_layer_ids, batch=batch,
+                        mean_context=mean_ctx, tied_embeddings=bool(tcfg.tie_word_embeddings))
+
+
+def compile_counters() -> dict:
+    """Dynamo's process counters: graphs compiled, graph breaks, recompiles seen so far."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:  # noqa: BLE001
+        return {}
+    return {"unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
+            "graph_breaks": int(sum(counters["graph_break"].values())),
+            "calls_captured": int(counters["stats"].get("calls_captured", 0))}
+
+
+def fmt_rate(tok_s: float) -> str:
+    if not math.isfinite(tok_s):
+        return "n/a"
+    return f"{tok_s / 1e3:.1f}K tok/s" if tok_s >= 1e3 else f"{tok_s:.1f} tok/s"
+
+
+# ------------------------------------------------------------------------------------------------
+# Compile health: `dflash_train.diagnostics.compile_health` when present (imported defensively; its
+# API is snapshot -> steps -> snapshot -> assert_compile_healthy), else dynamo's counters only.
+
+
+def compile_health_module():
+    try:
+        from dflash_train.diagnostics import compile_health
+    except Exception:  # noqa: BLE001 - absent or broken: fall back to the counters
+        return None
+    return compile_health
+
+
+def call_quietly(fn, *args, **kwargs):
+    if fn is None:
+        return None
+    try:
+        return fn(*args, **kwargs)
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def health_snapshot(module):
+    snap = getattr(getattr(module, "CompileCounters", None), "snapshot", None)
+    return call_quietly(snap)
+
+
+def check_compile_health(bench: Bench, module, st: dict, expect_compiled_flex: bool) -> None:
+    """Compare the counters around the timed steps (nothing may compile there); raise if unhealthy.
+
+    Figures: graphs compiled by the end of warm-up, graph breaks, graphs added during timing."""
+    before, after = st.get("counters_before", {}), st.get("counters_after", {})
+    bench.figure("compiled_graphs_after_warmup", before.get("unique_graphs", -1))
+    bench.figure("graph_breaks", after.get("graph_breaks", -1))
+    new_graphs = after.get("unique_graphs", 0) - before.get("unique_graphs", 0)
+    bench.figure("recompiles_during_timing", new_graphs)
+    check = getattr(module, "assert_compile_healthy", None)
+    h_before, h_after = st.get("health_before"), st.get("health_after")
+    if check is None or h_before is None or h_after is None:
+        bench.info["compile_health"] = "diagnostics.compile_health unavailable: dynamo counters only"
+        bench.log("compile health: dflash_train.diagnostics.compile_health not usable here; counters only")
+        if new_graphs > 0:
+            raise RuntimeError(f"{new_graphs} graph(s) compiled during the timed steps (recompiles)")
+        return
+    report = check(h_before, h_after, expect_compiled_flex=expect_compiled_flex)
+    summary = getattr(report, "summary", lambda: repr(report))()
+    bench.info["compile_health"] = f"ok: {summary}"
+    bench.log(f"compile health OK: {summary}")

@@ -1,0 +1,310 @@
+"""The drafter train step at the paper's shapes: tokens/s, step time, MFU, peak memory, and the
+compiled-vs-eager speed of the training attention.
+
+    python bench/drafter_step.py                          # one H200: Qwen3-8B shapes, B=16, N=512, S=3072
+    python bench/drafter_step.py --block-size 32 --anchors 64      # the original pipeline's config
+    python bench/drafter_step.py --attention sdpa                  # dense-mask SDPA instead of flex
+    python bench/drafter_step.py --small                           # tiny shapes, CPU, seconds
+
+It runs the package's real step: `parallelize` (torch.compile of the drafter), `train_step`
+(compiled BlockMask, bf16 autocast, chunked lm_head + CE, clip, AdamW fused on CUDA) on random
+weights and random taps. The drafter is float32 as in training; taps, embedding and lm_head are in
+the target dtype (bf16 on GPU).
+
+Figures: tokens/s (sequence tokens S per second), median step time (each step CUDA-synchronised),
+MFU against a bf16 matmul peak measured in the same run (fp32 on CPU) with the model FLOPs of
+bench/flops.py, peak memory, and attention fwd+bwd compiled flex vs uncompiled flex (the goal is
+compiled >= 15x faster). CPU flex has no backward, so on CPU the attention ratio is forward-only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import sys
+import time
+import warnings
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench import _common as C  # noqa: E402
+
+ATTN_GOAL = 15.0
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description="DFlash drafter train-step benchmark")
+    p.add_argument("--small", action="store_true", help="tiny shapes on the CPU (seconds)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    p.add_argument("--block-size", type=int, help="B (default 16; 8 with --small)")
+    p.add_argument("--anchors", type=int, help="N anchors per sequence (default 512; 16 with --small)")
+    p.add_argument("--seq-len", type=int, help="S (default 3072; 256 with --small)")
+    p.add_argument("--layers", type=int, help="drafter layers (default 5; 2 with --small)")
+    p.add_argument("--batch", type=int, default=1, help="sequences per micro-batch (default 1)")
+    p.add_argument("--attention", choices=("auto", "flex", "sdpa", "dense"), default="auto",
+                   help="auto = flex on CUDA, sdpa on CPU (as the trainer resolves it)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile the drafter (default: on for CUDA, off on CPU)")
+    p.add_argument("--chunk-tokens", type=int, default=2048, help="lm_head/CE chunk rows (loss.chunk_tokens)")
+    p.add_argument("--steps", type=int, help="timed steps (default 10; 3 with --small)")
+    p.add_argument("--warmup", type=int, help="warm-up steps, compile included (default 3; 1 with --small)")
+    p.add_argument("--attn-ratio", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure compiled vs eager flex attention (default: on for CUDA; off on CPU, where "
+                        "compiling flex takes a minute)")
+    p.add_argument("--attn-reps", type=int, default=5, help="timed repetitions of each attention variant")
+    p.add_argument("--json", help="write the figures to this JSON file")
+    a = p.parse_args(argv)
+    a.block_size = a.block_size or (8 if a.small else 16)
+    a.anchors = a.anchors or (16 if a.small else 512)
+    a.seq_len = a.seq_len or (256 if a.small else 3072)
+    a.layers = a.layers or (2 if a.small else 5)
+    a.steps = a.steps or (3 if a.small else 10)
+    a.warmup = a.warmup if a.warmup is not None else (1 if a.small else 3)
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    C.cpu_threads(a.small)
+    b = C.Bench("drafter_step", a)
+    device = C.pick_device(a.small, a.device)
+    from dflash_train.train.parallel import resolve_backend, resolve_compile
+
+    try:
+        backend = resolve_backend(a.attention, device)
+    except ValueError as e:
+        b.failed.append("options")
+        b.log(f"bad option: {e}")
+        return b.finish("not run: --attention is not usable on this device", a.json)
+    compiled = a.compile if a.compile is not None else resolve_compile("auto", device)
+    attn_ratio = a.attn_ratio if a.attn_ratio is not None else device.type == "cuda"
+    taps_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    S, N, B, rows = a.seq_len, a.anchors, a.block_size, a.batch
+    b.info.update(device=str(device), backend=backend, compiled=compiled, seq_len=S, anchors=N, block_size=B,
+                  layers=a.layers, batch=rows, chunk_tokens=a.chunk_tokens)
+    b.log(f"device {device}, attention {backend}, compile {compiled}, S={S} N={N} B={B} layers={a.layers} "
+          f"batch={rows}, {a.warmup} warm-up + {a.steps} timed steps")
+    st: dict = {}
+
+    with b.phase("build"):
+        st.update(build(a, b, device, backend, compiled, taps_dtype))
+
+    with b.phase("matmul peak"):
+        peak, label = C.measure_matmul_peak(device, b)
+        st["peak"] = peak
+        b.figure("matmul_peak_tflops", peak / 1e12, label)
+
+    def step():
+        from dflash_train.train.step import train_step
+
+        stats, grad_norm = train_step(st["model"], st["optimizer"], st["scheduler"], [st["mb"]], st["ctx"], 1.0)
+        st["last"] = (stats, grad_norm)
+
+    health = C.compile_health_module() if compiled else None
+    if health is not None:
+        C.call_quietly(getattr(health, "track_eager_flex_calls", None))  # count eager flex fallbacks from now on
+
+    if b.ok("build"):
+        with b.phase("warm-up (compile)"):
+            for i in range(a.warmup):
+                t = C.time_calls(step, 1, device)[0]
+                loss = float(st["last"][0].loss_sum / st["last"][0].weight_sum.clamp(min=1e-9))
+                b.log(f"warm-up step {i + 1}/{a.warmup}: {t:.2f}s, loss {loss:.3f}, "
+                      f"grad norm {float(st['last'][1]):.3f}")
+                if i == 0:
+                    b.figure("first_step_s", t, "includes compilation" if compiled else "")
+                if not math.isfinite(loss):
+                    raise FloatingPointError(f"non-finite loss {loss} at warm-up step {i + 1}")
+            st["counters_before"] = C.compile_counters()
+            st["health_before"] = C.health_snapshot(health)
+
+    if b.ok("build", "warm-up (compile)"):
+        with b.phase("timing"):
+            C.reset_peak_memory(device)
+            times = C.time_calls(step, a.steps, device)
+            med = C.median(times)
+            tokens = rows * S
+            b.figure("step_time_median_s", med)
+            b.figure("step_time_mean_s", sum(times) / len(times))
+            b.figure("tokens_per_s", tokens / med, "sequence tokens S per second")
+            b.figure("drafter_tflops_achieved", st["flops"]["drafter"]["train"] / med / 1e12)
+            if "peak" in st:
+                b.figure("mfu", st["flops"]["drafter"]["train"] / med / st["peak"], "vs measured matmul peak")
+            if device.type == "cuda":
+                b.figure("mfu_vs_790", st["flops"]["drafter"]["train"] / med / (C.ISSUE_PEAK_TFLOPS * 1e12))
+                b.figure("peak_memory_gib", C.peak_memory_gib(device), "max_memory_allocated, timed steps")
+                b.figure("speedup_vs_speculators", tokens / med / C.SPECULATORS["tok_s"],
+                         "speculators 0.9.0: 18.5K tok/s, 0.166 s/step, 37 GiB")
+            st["health_after"] = C.health_snapshot(health)
+            st["counters_after"] = C.compile_counters()
+
+        with b.phase("timing (back to back)"):  # as the trainer runs: no sync between steps
+            C.sync(device)
+            t0 = time.perf_counter()
+            for _ in range(a.steps):
+                step()
+            C.sync(device)
+            b.figure("tokens_per_s_back_to_back", rows * S * a.steps / (time.perf_counter() - t0),
+                     "no sync between steps")
+
+        if compiled:
+            with b.phase("compile health"):
+                C.check_compile_health(b, health, st, expect_compiled_flex=backend == "flex")
+
+    # free the training state before the attention micro-benchmark (the eager path is memory-hungry)
+    mb, tcfg, dcfg = st.get("mb"), st.get("tcfg"), st.get("dcfg")
+    for key in ("model", "drafter", "optimizer", "scheduler", "ctx", "last"):
+        st.pop(key, None)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    if attn_ratio and mb is not None:
+        with b.phase("attention compiled vs eager"):
+            attention_ratio(b, dcfg, mb, device, taps_dtype, a.attn_reps)
+
+    return b.finish(verdict(b, device), a.json)
+
+
+def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> dict:
+    """Random drafter (float32), frozen embedding/lm_head and taps (target dtype), optimizer, the
+    compiled model; returned in a dict so that dropping the dict frees them."""
+    from dflash_train.config import OptimConfig
+    from dflash_train.train.optim import build_optimizer
+    from dflash_train.train.parallel import parallelize
+
+    S, N, rows = a.seq_len, a.anchors, a.batch
+    tcfg = C.target_config(a.small)
+    dcfg = C.drafter_config(tcfg, layers=a.layers, block_size=a.block_size, small=a.small)
+    drafter = C.random_drafter(dcfg, device)
+    embed, lm_head = C.frozen_embeddings(tcfg.vocab_size, tcfg.hidden_size, device, taps_dtype)
+    mb = C.synthetic_microbatch(rows, S, N, tcfg.vocab_size, dcfg.num_taps * dcfg.hidden_size, taps_dtype, device)
+    ctx = C.step_context(dcfg, embed, lm_head, device, backend, a.chunk_tokens)
+    optimizer, scheduler = build_optimizer(drafter.parameters(), OptimConfig(), 1000, fused=device.type == "cuda")
+    model = parallelize(drafter, device=device, compile_model=compiled, dp_group=None, num_drafters=1)
+    flops = C.flops_for(tcfg, dcfg, seq_len=S, num_anchors=N, batch=rows, mean_ctx=C.mean_context(mb))
+    params = sum(p.numel() for p in drafter.parameters())
+    b.figure("drafter_params_m", params / 1e6)
+    b.figure("tflop_per_step", flops["drafter"]["train"] / 1e12,
+             f"model FLOPs, visible-mask attention (density {flops['visible_fraction']:.3f})")
+    b.log(f"drafter {dcfg.num_layers} layers, hidden {dcfg.hidden_size}, taps {dcfg.target_layer_ids}, "
+          f"{params / 1e6:.1f}M params; taps {tuple(mb.taps.shape)} {taps_dtype}")
+    return dict(tcfg=tcfg, dcfg=dcfg, drafter=drafter, mb=mb, ctx=ctx, optimizer=optimizer, scheduler=scheduler,
+                model=model, flops=flops)
+
+
+def attention_ratio(b: C.Bench, dcfg, mb, device: torch.device, dtype: torch.dtype, reps: int) -> None:
+    """Training attention at the step's shapes: compiled flex vs uncompiled (eager math) flex, and
+    SDPA with the dense boolean mask for reference. fwd+bwd on CUDA, fwd only on CPU."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from dflash_train.model.attention import MaskSpec, dense_mask, flex_block_mask
+
+    rows, S = mb.input_ids.shape
+    N, B = mb.anchors.shape[1], dcfg.block_size
+    spec = MaskSpec(S, B, N, None)
+    anchors, keep = mb.anchors.to(device), mb.keep.to(device)
+    block_mask = flex_block_mask(spec, anchors, keep, compiled=device.type == "cuda")
+    train = device.type == "cuda"
+    heads, kv_heads, hd = dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim
+    b.log(f"attention: q [{rows}, {heads}, {spec.q_len}, {hd}], kv [{rows}, {kv_heads}, {spec.kv_len}, {hd}], "
+          f"{dtype}, {'fwd+bwd' if train else 'fwd only (CPU flex has no backward)'}")
+
+    def make(h, hk):
+        g = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(rows, h, spec.q_len, hd, device=device, generator=g).to(dtype).requires_grad_(train)
+        k = torch.randn(rows, hk, spec.kv_len, hd, device=device, generator=g).to(dtype).requires_grad_(train)
+        v = torch.randn(rows, hk, spec.kv_len, hd, device=device, generator=g).to(dtype).requires_grad_(train)
+        grad = torch.randn(rows, h, spec.q_len, hd, device=device, generator=g).to(dtype)
+        return q, k, v, grad
+
+    compiled_flex = torch.compile(flex_attention, dynamic=False)
+
+    def runner(fn, q, k, v, grad, mask):
+        def run():
+            if train:
+                q.grad = k.grad = v.grad = None
+                fn(q, k, v, mask).backward(grad)
+            else:
+                with torch.no_grad():
+                    fn(q, k, v, mask)
+        return run
+
+    def flex_c(q, k, v, m):
+        return compiled_flex(q, k, v, block_mask=m, enable_gqa=q.shape[1] != k.shape[1])
+
+    def flex_e(q, k, v, m):
+        return flex_attention(q, k, v, block_mask=m, enable_gqa=q.shape[1] != k.shape[1])
+
+    def sdpa(q, k, v, m):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=q.shape[1] != k.shape[1])
+
+    q, k, v, grad = make(heads, kv_heads)
+    t0 = time.perf_counter()
+    C.time_calls(runner(flex_c, q, k, v, grad, block_mask), 2, device)
+    b.log(f"attention: compiled flex ready in {time.perf_counter() - t0:.1f}s")
+    compiled_s = C.median(C.time_calls(runner(flex_c, q, k, v, grad, block_mask), reps, device))
+    b.figure("attn_flex_compiled_ms", compiled_s * 1e3)
+
+    scale_note = ""
+    eager_s = None
+    for h, hk in ((heads, kv_heads), (max(1, heads // 4), max(1, kv_heads // 4))):
+        try:
+            if (h, hk) != (heads, kv_heads):
+                q, k, v, grad = make(h, hk)
+                small_c = C.median(C.time_calls(runner(flex_c, q, k, v, grad, block_mask), reps, device))
+                scale_note = f" (at {h}/{hk} heads after OOM at {heads}/{kv_heads}; compiled {small_c * 1e3:.2f} ms there)"
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                C.time_calls(runner(flex_e, q, k, v, grad, block_mask), 1, device)
+                eager_s = C.median(C.time_calls(runner(flex_e, q, k, v, grad, block_mask), max(2, reps // 2), device))
+            if scale_note:
+                compiled_s = small_c
+            break
+        except torch.OutOfMemoryError:
+            b.log(f"attention: eager flex OOM at {h}/{hk} heads; retrying with fewer heads")
+            q = k = v = grad = None
+            gc.collect()
+            torch.cuda.empty_cache()
+    if eager_s is None:
+        raise RuntimeError("eager flex attention did not fit even at a quarter of the heads")
+    b.figure("attn_flex_eager_ms", eager_s * 1e3, scale_note.strip())
+    ratio = eager_s / compiled_s
+    b.figure("attn_compiled_speedup", ratio, f"goal >= {ATTN_GOAL:.0f}x{scale_note}")
+    b.info["attn_speedup_note"] = scale_note
+
+    try:  # reference only: SDPA with the dense boolean mask (the trainer's non-flex path)
+        mask = dense_mask(spec, anchors, keep)
+        q, k, v, grad = make(q.shape[1], k.shape[1])
+        runner(sdpa, q, k, v, grad, mask)()
+        sdpa_s = C.median(C.time_calls(runner(sdpa, q, k, v, grad, mask), reps, device))
+        b.figure("attn_sdpa_dense_mask_ms", sdpa_s * 1e3, "same heads as the eager figure")
+    except Exception as e:  # noqa: BLE001
+        b.log(f"attention: SDPA reference skipped: {type(e).__name__}: {str(e)[:200]}")
+
+
+def verdict(b: C.Bench, device) -> str:
+    f = b.figures
+    parts = []
+    if "tokens_per_s" in f:
+        parts.append(f"{C.fmt_rate(f['tokens_per_s'])}, {f['step_time_median_s']:.3f} s/step")
+    if "mfu" in f:
+        parts.append(f"MFU {f['mfu']:.1%} of measured {f.get('matmul_peak_tflops', float('nan')):.4g} TFLOP/s")
+    if "peak_memory_gib" in f:
+        parts.append(f"peak {f['peak_memory_gib']:.1f} GiB")
+    if "speedup_vs_speculators" in f:
+        parts.append(f"{f['speedup_vs_speculators']:.2f}x speculators 0.9.0")
+    if "attn_compiled_speedup" in f:
+        ok = "meets" if f["attn_compiled_speedup"] >= ATTN_GOAL else "BELOW"
+        parts.append(f"flex compiled {f['attn_compiled_speedup']:.1f}x eager ({ok} goal {ATTN_GOAL:.0f}x)")
+    if f.get("recompiles_during_timing", 0) > 0:
+        parts.append(f"RECOMPILED {f['recompiles_during_timing']}x during timing")
+    return "; ".join(parts) or "no figures"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

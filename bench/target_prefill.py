@@ -1,0 +1,140 @@
+"""The target's tapped prefill: a random Qwen3-8B-shaped model through `Target.taps`.
+
+    python bench/target_prefill.py                     # one H200: batch 4 x S 3072, bf16, taps 1,9,17,25,33
+    python bench/target_prefill.py --batch 1           # the pipeline's micro-batch
+    python bench/target_prefill.py --small             # tiny shapes, CPU, seconds
+
+Figures: tokens/s, MFU (against a bf16 matmul peak measured in the same run; model FLOPs of the
+layers actually run, bench/flops.py "tapped"), peak memory, and the time saved by stopping after
+the last tapped layer (`Target.taps`) versus running the whole decoder
+(`taps(..., return_last_hidden=True)`). No lm_head runs in either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench import _common as C  # noqa: E402
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description="tapped target prefill benchmark")
+    p.add_argument("--small", action="store_true", help="tiny shapes on the CPU (seconds)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    p.add_argument("--batch", type=int, help="sequences per forward (default 4; 2 with --small)")
+    p.add_argument("--seq-len", type=int, help="S (default 3072; 128 with --small)")
+    p.add_argument("--layers", type=int, help="target layers (default 36; 8 with --small)")
+    p.add_argument("--taps", help="comma-separated z-lab tap ids (default: build_target_layer_ids(L, 5))")
+    p.add_argument("--steps", type=int, help="timed forwards (default 5; 3 with --small)")
+    p.add_argument("--warmup", type=int, help="warm-up forwards (default 2; 1 with --small)")
+    p.add_argument("--full", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the whole decoder, for the saving of stopping after the last tap")
+    p.add_argument("--json", help="write the figures to this JSON file")
+    a = p.parse_args(argv)
+    a.batch = a.batch or (2 if a.small else 4)
+    a.seq_len = a.seq_len or (128 if a.small else 3072)
+    a.steps = a.steps or (3 if a.small else 5)
+    a.warmup = a.warmup if a.warmup is not None else (1 if a.small else 2)
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    C.cpu_threads(a.small)
+    b = C.Bench("target_prefill", a)
+    device = C.pick_device(a.small, a.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    b.info.update(device=str(device), dtype=str(dtype), batch=a.batch, seq_len=a.seq_len)
+    st: dict = {}
+
+    with b.phase("build"):
+        from dflash_train.model.target import Target, build_target_layer_ids
+
+        cfg = C.target_config(a.small, a.layers)
+        layer_ids = ([int(x) for x in a.taps.split(",")] if a.taps
+                     else build_target_layer_ids(cfg.num_hidden_layers, 5))
+        target = Target(model=C.random_target(cfg, device, dtype), tokenizer=None, name="random-qwen3")
+        ids = C.synthetic_ids(a.batch, a.seq_len, cfg.vocab_size, seed=0).to(device)
+        mask = torch.ones_like(ids)
+        from bench.flops import dflash_flops
+
+        flops = dflash_flops(hidden=cfg.hidden_size, num_heads=cfg.num_attention_heads,
+                             num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
+                             intermediate=cfg.intermediate_size, vocab=cfg.vocab_size, drafter_layers=1,
+                             seq_len=a.seq_len, num_anchors=1, block_size=2, target_layers=cfg.num_hidden_layers,
+                             tap_layers=layer_ids, batch=a.batch, tied_embeddings=bool(cfg.tie_word_embeddings))["target"]
+        st.update(target=target, ids=ids, mask=mask, layer_ids=layer_ids, flops=flops)
+        params = sum(p.numel() for p in target.model.parameters())
+        b.log(f"target {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {params / 1e9:.2f}B params, {dtype}; "
+              f"taps {layer_ids} -> runs {flops['tapped_layers']} layers; input {tuple(ids.shape)}")
+        b.figure("target_params_b", params / 1e9)
+        b.figure("tflop_per_forward_tapped", flops["tapped"] / 1e12, f"{flops['tapped_layers']} layers, causal attention")
+
+    with b.phase("matmul peak"):
+        peak, label = C.measure_matmul_peak(device, b)
+        st["peak"] = peak
+        b.figure("matmul_peak_tflops", peak / 1e12, label)
+
+    def taps(full: bool = False):
+        def run():
+            out = st["target"].taps(st["ids"], st["mask"], st["layer_ids"], return_last_hidden=full)
+            st["out"] = out
+        return run
+
+    if b.ok("build"):
+        with b.phase("warm-up"):
+            C.time_calls(taps(), a.warmup, device)
+            out = st["out"]
+            expected = (a.batch, a.seq_len, len(st["layer_ids"]) * st["target"].hidden_size)
+            if tuple(out.shape) != expected:
+                raise AssertionError(f"taps shape {tuple(out.shape)}, expected {expected}")
+            if not torch.isfinite(out.float()).all():
+                raise FloatingPointError("non-finite taps")
+            st.pop("out")
+
+        with b.phase("timing (stop after last tap)"):
+            C.reset_peak_memory(device)
+            med = C.median(C.time_calls(taps(), a.steps, device))
+            st.pop("out", None)
+            tokens = a.batch * a.seq_len
+            b.figure("prefill_s", med, f"batch {a.batch} x S {a.seq_len}")
+            b.figure("tokens_per_s", tokens / med)
+            b.figure("target_tflops_achieved", st["flops"]["tapped"] / med / 1e12)
+            if "peak" in st:
+                b.figure("mfu", st["flops"]["tapped"] / med / st["peak"], "vs measured matmul peak, tapped FLOPs")
+            if device.type == "cuda":
+                b.figure("mfu_vs_790", st["flops"]["tapped"] / med / (C.ISSUE_PEAK_TFLOPS * 1e12))
+                b.figure("peak_memory_gib", C.peak_memory_gib(device))
+            st["taps_s"] = med
+
+        if a.full:
+            with b.phase("timing (whole decoder)"):
+                C.time_calls(taps(full=True), 1, device)
+                full = C.median(C.time_calls(taps(full=True), a.steps, device))
+                st.pop("out", None)
+                b.figure("full_decoder_s", full)
+                if "taps_s" in st:
+                    b.figure("stop_early_saving", 1 - st["taps_s"] / full,
+                             f"expected from FLOPs {1 - st['flops']['tapped'] / st['flops']['full_decoder']:.3f}")
+
+    f = b.figures
+    parts = []
+    if "tokens_per_s" in f:
+        parts.append(f"{C.fmt_rate(f['tokens_per_s'])}, {f['prefill_s']:.3f} s per {a.batch}x{a.seq_len}")
+    if "mfu" in f:
+        parts.append(f"MFU {f['mfu']:.1%} of measured {f['matmul_peak_tflops']:.4g} TFLOP/s")
+    if "peak_memory_gib" in f:
+        parts.append(f"peak {f['peak_memory_gib']:.1f} GiB")
+    if "stop_early_saving" in f:
+        parts.append(f"stopping after the last tap saves {f['stop_early_saving']:.1%} vs the whole decoder")
+    return b.finish("; ".join(parts) or "no figures", a.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Smoke test of the benchmarks: each bench script runs with --small on the CPU, exits 0, prints a
+VERDICT line, writes its JSON, and every figure it prints is a finite number; the key ones are > 0."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "--monitor-interval=0.5"]
+
+CASES = {
+    "flops": ([sys.executable, "bench/flops.py"],
+              ["drafter_train_tflop", "target_tapped_tflop", "visible_fraction"]),
+    "drafter_step": ([sys.executable, "bench/drafter_step.py"],
+                     ["tokens_per_s", "step_time_median_s", "mfu", "matmul_peak_tflops", "tflop_per_step"]),
+    "target_prefill": ([sys.executable, "bench/target_prefill.py"],
+                       ["tokens_per_s", "prefill_s", "mfu", "full_decoder_s"]),
+    "pipeline": (TORCHRUN + ["bench/pipeline.py"],
+                 ["tokens_per_s", "drafter_busy_fraction", "target_busy_fraction", "drafter_capacity_tok_s",
+                  "target_capacity_tok_s"]),
+}
+
+
+def results(stdout: str) -> dict[str, float]:
+    """`RESULT key=value  # note` lines -> {key: float(value)}."""
+    figures = {}
+    for line in stdout.splitlines():
+        if line.startswith("RESULT "):
+            key, _, value = line[len("RESULT "):].split("#")[0].strip().partition("=")
+            figures[key] = float(value)
+    return figures
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bench_small(name, tmp_path):
+    cmd, positive = CASES[name]
+    out = tmp_path / f"{name}.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(cmd + ["--small", "--json", str(out)], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+    log = proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert proc.returncode == 0, log
+    assert f"VERDICT {name}: OK" in proc.stdout, log
+    figures = results(proc.stdout)
+    assert figures, log
+    assert all(math.isfinite(v) for v in figures.values()), figures
+    for key in positive:
+        assert figures.get(key, 0) > 0, (key, figures)
+    assert json.loads(out.read_text()), "empty JSON"
