@@ -32,6 +32,7 @@ class AttnShape:
     dtype: str
 
     def describe(self) -> str:
+        """The shape on one line, for the doctor's figure."""
         return (f"b={self.batch} S={self.context_len} N={self.num_anchors} B={self.block_size} "
                 f"heads {self.q_heads}/{self.kv_heads} hd {self.head_dim} {self.dtype}")
 
@@ -45,6 +46,7 @@ SHAPES = {
 
 
 def shape_for(device: torch.device, quick: bool) -> AttnShape:
+    """The workload shape for a device kind (CPU small, CUDA training-like)."""
     return SHAPES[(device.type if device.type == "cuda" else "cpu", quick)]
 
 
@@ -86,6 +88,7 @@ def build_mask(spec: MaskSpec, anchors, keep, compiled: bool):
 
 
 def _attend_flex(q, k, v, mask):
+    """The drafter's attention call, flex backend (what training compiles)."""
     return attend(q, k, v, mask, "flex")
 
 
@@ -103,6 +106,7 @@ def make_step(fn: Callable, qkv, mask, backward: bool, device: torch.device) -> 
 
 
 def _set_device(device: torch.device) -> None:
+    """Make `device` current so kernels and caches land on it."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
 
@@ -131,6 +135,7 @@ def compile_check(device_name: str, quick: bool, compiled_mask: bool) -> dict:
 
 
 def _time_steps(step: Callable[[], None], iters: int) -> float:
+    """ms per step over `iters` steps after one untimed step."""
     step()  # warm (the compiled one hits the shared inductor cache; eager allocates)
     t0 = time.perf_counter()
     for _ in range(iters):
@@ -139,6 +144,7 @@ def _time_steps(step: Callable[[], None], iters: int) -> float:
 
 
 def _peak_gib(device: torch.device) -> float | None:
+    """Peak allocated GPU memory since the last reset; None on CPU."""
     return torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
 
 

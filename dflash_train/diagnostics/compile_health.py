@@ -165,6 +165,7 @@ class CompileCounters:
         )
 
     def as_dict(self) -> dict:
+        """Plain dict (for JSON)."""
         return dataclasses.asdict(self)
 
 
@@ -187,6 +188,7 @@ class HealthReport:
 
     @property
     def ok(self) -> bool:
+        """True when no problem was found."""
         return not self.problems
 
     def message(self) -> str:
@@ -203,6 +205,7 @@ class HealthReport:
 
 
 def _eager_flex_problem(n_calls: int, debug_flag: bool) -> str:
+    """The eager-fallback message: what ran, the usual causes, the fix."""
     cause = ("torch.nn.attention.flex_attention._FLEX_ATTENTION_DISABLE_COMPILE_DEBUG is True"
              if debug_flag else f"{n_calls or 'some'} uncompiled flex_attention call(s) after warm-up")
     return ("flex_attention ran uncompiled (the dense path, ~20x slower on H200): " + cause +

@@ -47,6 +47,7 @@ class Record:
     seconds: float = 0.0
 
     def line(self) -> str:
+        """The printed form: `STATUS  stage: figure  -> advice`."""
         text = f"{self.status:<4}  {self.stage}: {self.figure}"
         return text + (f"  -> {self.advice}" if self.advice else "")
 
@@ -157,6 +158,7 @@ def child_env(workdir: Path) -> dict[str, str]:
 
 
 def _launch(spec: StageSpec, workdir: Path, env: dict, inject: str | None) -> _Child:
+    """Start one stage child; its stdout and stderr go to a log file in `workdir`."""
     slug = re.sub(r"[^A-Za-z0-9_.-]", "_", spec.name)
     result_path, log_path = workdir / f"{slug}.json", workdir / f"{slug}.log"
     params = dict(spec.params, inject=inject)
@@ -170,6 +172,7 @@ def _launch(spec: StageSpec, workdir: Path, env: dict, inject: str | None) -> _C
 
 
 def _signal_group(child: _Child, sig: int) -> None:
+    """Signal the child and everything it started (its own session/process group)."""
     try:
         os.killpg(child.proc.pid, sig)
     except (ProcessLookupError, PermissionError):
@@ -177,6 +180,7 @@ def _signal_group(child: _Child, sig: int) -> None:
 
 
 def _read_log(child: _Child) -> str:
+    """The child's combined output so far."""
     try:
         return child.log_path.read_text(errors="replace")
     except OSError:
@@ -220,6 +224,7 @@ def _timed_out(child: _Child, timeout: float) -> tuple[Record, list[str], dict]:
 
 
 def _log_tail(child: _Child, n: int = 25) -> list[str]:
+    """The last `n` non-empty lines of the child's output."""
     return [l for l in _read_log(child).splitlines() if l.strip()][-n:]
 
 
@@ -257,6 +262,7 @@ class Doctor:
         print(text, file=self.out, flush=True)
 
     def _inject_for(self, spec: StageSpec) -> str | None:
+        """The injected fault for this stage, by exact name or by kind."""
         return self.inject.get(spec.name) or self.inject.get(spec.kind)
 
     def run(self) -> int:
@@ -299,6 +305,7 @@ class Doctor:
         self._live = []
 
     def _emit(self, record: Record, extra: list[str]) -> None:
+        """Record and print one stage line (kept to one line), then any stacks/log lines indented."""
         record.figure = record.figure.replace("\n", " ").replace("  -> ", " -> ")
         record.advice = record.advice.replace("\n", " ")
         record.seconds = round(record.seconds, 2)
@@ -308,6 +315,7 @@ class Doctor:
             self._print(f"      | {line}")
 
     def _write_json(self, verdict_line: str, code: int) -> None:
+        """--json: the same records as the printed lines, plus the verdict."""
         report = {"records": [asdict(r) for r in self.records], "verdict": verdict_line, "exit_code": code,
                   "options": asdict(self.opts)}
         Path(self.opts.json_path).write_text(json.dumps(report, indent=2) + "\n")

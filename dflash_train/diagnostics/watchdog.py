@@ -102,6 +102,7 @@ class Watchdog:
         self.stop()
 
     def _watch(self) -> None:
+        """The daemon loop: fire once when the last beat is older than the timeout."""
         # Poll often enough that a fire comes well within the timeout's slack, rarely enough to cost nothing.
         poll = min(1.0, self.timeout_s / 4)
         while not self._stop.wait(poll):
@@ -112,6 +113,7 @@ class Watchdog:
                 return
 
     def _fire(self, stage: str, idle: float, in_stage: float) -> None:
+        """Say where we are (flushed), dump every stack, then exit (or call `on_fire`)."""
         self.fired = True
         out = self.out if self.out is not None else sys.stderr
         message = (f"WATCHDOG[{self.name} pid={os.getpid()}]: no progress for {idle:.1f}s; "

@@ -56,12 +56,13 @@ def test_quick_doctor_on_cpu_ends_with_an_ok_verdict(quick_run):
     stages = stage_lines(proc.stdout)
     assert list(stages) == ["versions", "devices", "disk", "compile[cpu]", "speed[cpu]", "p2p[gloo]"]
     assert int(m[2]) + int(m[3]) == len(stages)
-    assert "torch 2." in stages["versions"][3] and "FX-tracing flag process-wide" in stages["versions"][3]
+    assert "torch 2." in stages["versions"][3]
+    assert re.search(r"FX-tracing flag (process-wide|per-thread)$", stages["versions"][3])
     assert "healthy after warm-up: 0 new graphs" in stages["compile[cpu]"][3]
-    first_call = float(re.search(r"first call ([\d.]+)s", stages["compile[cpu]"][3])[1])
-    assert first_call > 0.5  # a cold compile in a fresh cache really happened
+    attention_s = re.search(r"attention fwd \(flex has no CPU backward\) ([\d.]+)s", stages["compile[cpu]"][3])
+    assert float(attention_s[1]) > 0.5  # a cold compile in a fresh cache really happened
     ratio = float(re.search(r"= ([\d.]+)x", stages["speed[cpu]"][3])[1])
-    assert ratio > 1.5  # compiled flex beats the dense eager path even on CPU
+    assert ratio > 1.0  # compiled flex beats the dense eager path even on CPU (10x here, 1.9x on 32 cores)
     assert float(re.search(r"([\d.]+) GB/s", stages["p2p[gloo]"][3])[1]) > 0
 
 
@@ -132,3 +133,25 @@ def test_plan_per_device_and_p2p():
     assert names(one_gpu) == [["compile[cuda:0]"], ["speed[cuda:0]"], ["p2p[nccl]"], ["target"]]
     assert one_gpu[2][0].kind == "note" and one_gpu[2][0].params["status"] == "WARN"
     assert one_gpu[3][0].params["device"] == "cuda:0"
+
+
+def test_target_stage_names_a_missing_loader(monkeypatch):
+    import dflash_train.model.target as target_mod
+    from dflash_train.diagnostics.stages import stage_target
+
+    monkeypatch.delattr(target_mod, "load_target")
+    outcome = stage_target({"target": "smollm2", "device": "cpu"})
+    assert outcome["status"] == "FAIL"
+    assert "cannot import dflash_train.model.target.load_target" in outcome["figure"]
+
+
+def test_a_raising_stage_is_a_fail_that_names_the_error(monkeypatch):
+    from dflash_train.diagnostics import stages
+
+    def broken(params):
+        raise OSError("disk on fire")
+
+    monkeypatch.setitem(stages.STAGES, "disk", broken)
+    outcome = stages.run_stage("disk", {})
+    assert outcome["status"] == "FAIL" and outcome["figure"] == "OSError: disk on fire"
+    assert outcome["data"]["show_log"]
