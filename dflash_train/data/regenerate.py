@@ -39,7 +39,10 @@ class RegenReport:
 
 def prompt_messages(messages: list[dict]) -> list[dict]:
     """Everything up to and including the last user turn (a final assistant turn is dropped)."""
-    last_user = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not users:
+        raise ValueError("a conversation without a user turn has no prompt to answer")
+    last_user = users[-1]
     return [dict(m) for m in messages[: last_user + 1]]
 
 
