@@ -147,7 +147,8 @@ def _run(cfg, topo, device, dp_group, out_dir, log, watchdog, stop) -> dict:
         for mb in eval_mbs:
             mb.taps = compute_taps(target, layer_ids, mb, device)
     else:
-        source = RemoteSource(train_samples, sampler, plan, topo, collate_fn, taps_width, target.dtype, device)
+        source = RemoteSource(train_samples, sampler, plan, topo, collate_fn, taps_width, target.dtype, device,
+                              steps_left=total_steps)
         _recv_eval_taps(eval_mbs, topo, taps_width, target.dtype, device)
     state = {"step": 0, "tokens": 0, "seconds": 0.0}
     if resume is not None:
@@ -331,7 +332,10 @@ def _restore(resume, drafter, optimizer, scheduler, source) -> dict:
     drafter.load_state_dict(loaded.state_dict())
     optimizer.load_state_dict(trainer["optimizer"])
     scheduler.load_state_dict(trainer["scheduler"])
-    source.load_state_dict(trainer["data"])
+    if isinstance(source, RemoteSource):
+        source.load_state_dict(trainer["data"], steps_done=trainer["train"]["step"])
+    else:
+        source.load_state_dict(trainer["data"])
     set_rng_state(trainer["rng"])
     return dict(trainer["train"])
 

@@ -36,19 +36,26 @@ def resolve_backend(setting: str, device: torch.device) -> str:
         return "flex" if device.type == "cuda" else "sdpa"
     if setting not in ("flex", "sdpa", "dense"):
         raise ValueError(f"train.attention={setting!r}: expected auto, flex, sdpa or dense")
+    if setting == "flex" and device.type == "cpu":
+        raise ValueError("train.attention=flex: flex_attention has no backward on CPU (torch raises "
+                         "NotImplementedError); use train.attention=sdpa (the default on CPU)")
     return setting
 
 
 def parallelize(drafter: nn.Module, *, device: torch.device, compile_model: bool, dp_group, num_drafters: int,
                 recompile_limit: int = 16) -> nn.Module:
-    """Return the module the training step calls: compiled (optional), wrapped in DDP if D > 1."""
+    """Return the module the training step calls: DDP-wrapped if D > 1, then compiled (optional).
+
+    Compiling the DDP module (not wrapping a compiled one) lets dynamo's DDP optimizer split the
+    graph at gradient-bucket boundaries, so all-reduces overlap the backward.
+    """
     model = drafter
-    if compile_model:
-        torch._dynamo.config.recompile_limit = recompile_limit  # shape buckets; each is one graph
-        model = torch.compile(drafter, dynamic=False)
     if num_drafters > 1:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, process_group=dp_group,
                     gradient_as_bucket_view=True)
+    if compile_model:
+        torch._dynamo.config.recompile_limit = recompile_limit  # shape buckets; each is one graph
+        model = torch.compile(model, dynamic=False)
     return model

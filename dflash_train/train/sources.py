@@ -94,10 +94,10 @@ class RemoteSource:
     """Drafter side of the disaggregated pipeline."""
 
     def __init__(self, samples, sampler: StepSampler, plan: BatchPlan, topo: Topology, collate_fn,
-                 taps_width: int, dtype: torch.dtype, device, prefetch: int = 1):
+                 taps_width: int, dtype: torch.dtype, device, steps_left: int, prefetch: int = 1):
         self.samples, self.sampler, self.plan, self.topo = samples, sampler, plan, topo
         self.collate, self.taps_width, self.dtype, self.device = collate_fn, taps_width, dtype, device
-        self.prefetch = prefetch
+        self.prefetch, self.steps_left = prefetch, steps_left  # never post a receive no target will send
         self.pending = collections.deque()  # (epoch, mbs, works, sampler state after the step)
         self.consumed_state = sampler.state_dict()
         self.wait_seconds = 0.0
@@ -115,8 +115,9 @@ class RemoteSource:
         self.pending.append((epoch, mbs, works, self.sampler.state_dict()))
 
     def next_step(self) -> tuple[int, list[MicroBatch]]:
-        while len(self.pending) < self.prefetch + 1:
+        while len(self.pending) < self.prefetch + 1 and self.steps_left > 0:
             self._post_next()
+            self.steps_left -= 1
         epoch, mbs, works, state_after = self.pending.popleft()
         start = time.perf_counter()
         for work in works:
@@ -128,11 +129,12 @@ class RemoteSource:
     def state_dict(self) -> dict:
         return self.consumed_state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, steps_done: int = 0) -> None:
         if self.pending:
             raise RuntimeError("load_state_dict after receives were posted")
         self.sampler.load_state_dict(state)
         self.consumed_state = state
+        self.steps_left -= steps_done
 
 
 def serve_taps(target, layer_ids, samples, sampler: StepSampler, plan: BatchPlan, topo: Topology, collate_fn,
