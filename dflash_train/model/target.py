@@ -153,8 +153,14 @@ def load_target(model: str, gguf_file: str | None = None, dtype: str | torch.dty
         path = str(cached)
     print(f"target: loading {model} from {path} ({torch_dtype}, {device})", flush=True)
     kwargs = dict(local_files_only=True, trust_remote_code=trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, use_safetensors=True, **kwargs)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, use_safetensors=True, **kwargs)
+    except OSError as e:
+        if Path(path).is_dir():
+            raise
+        raise OSError(f"target {model!r}: not a local directory and not in the Hugging Face cache "
+                      f"(dflash-train never downloads; fetch it first, e.g. `hf download {model}`): {e}") from e
     hf_model.to(device).eval().requires_grad_(False)
     target = Target(model=hf_model, tokenizer=tokenizer, name=model)
     print(f"target: loaded {model} in {time.perf_counter() - t0:.1f} s: {hf_model.config.model_type}, "

@@ -117,3 +117,14 @@ def test_smollm2_taps_equal_hf_hidden_states(smollm2_target):
     valid = enc.attention_mask.bool()
     torch.testing.assert_close(taps[valid], ref[valid], rtol=0, atol=0)
     torch.testing.assert_close(last[valid], out.hidden_states[-1][valid], rtol=0, atol=0)
+
+
+def test_load_target_from_a_local_dir_is_frozen_in_the_asked_dtype(tiny_qwen3_dir):
+    from dflash_train.model.target import load_target
+
+    t = load_target(str(tiny_qwen3_dir), dtype="bfloat16")
+    assert t.dtype == torch.bfloat16 and not t.model.training
+    assert not any(p.requires_grad for p in t.model.parameters())
+    assert t.tokenizer.eos_token == "<|im_end|>" and t.num_layers == 6
+    with pytest.raises(OSError, match="never downloads"):
+        load_target("nobody/not-a-cached-model")
