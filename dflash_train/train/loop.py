@@ -20,7 +20,8 @@ import torch.distributed as dist
 from dflash_train.config import RunConfig
 from dflash_train.diagnostics.watchdog import Watchdog
 from dflash_train.model.hf_format import save_zlab
-from dflash_train.train import setup
+from dflash_train.train import balance, setup
+from dflash_train.train.balance import ComputeTimer
 from dflash_train.train.batching import BatchPlan, StepSampler
 from dflash_train.train.checkpoint import Checkpointer, provenance, rng_state, set_rng_state
 from dflash_train.train.loss import LossStats, summarize
@@ -114,9 +115,17 @@ def _run(cfg, topo, device, dp_group, out_dir, log, watchdog, stop) -> dict:
     checkpointer = Checkpointer(out_dir, cfg.train.keep_last)
     resume = _resume_point(cfg, topo, checkpointer)
 
+    balance_timer = ComputeTimer(device)
+
+    def _target_timer(k: int, event: str, sequences: int) -> None:
+        if balance.in_window(k):
+            balance_timer.start() if event == "start" else balance_timer.stop(sequences)
+
     def _target_step(k: int) -> None:
         watchdog.timeout_s = cfg.train.watchdog_seconds
         inject_fault(topo.rank, k)
+        if k == balance.BALANCE_STEP - 1 and total_steps >= balance.BALANCE_STEP and resume is None:
+            balance.share_and_report("target", balance_timer.seconds_per_sequence(), topo, log)
 
     if topo.is_target:
         if resume is not None:
@@ -124,11 +133,12 @@ def _run(cfg, topo, device, dp_group, out_dir, log, watchdog, stop) -> dict:
         _send_eval_taps(target, layer_ids, eval_mbs, topo, device)
         stats = serve_taps(target, layer_ids, train_samples, sampler, plan, topo, collate_fn, device,
                            total_steps - (resume[1]["train"]["step"] if resume else 0), cfg.topology.max_in_flight,
-                           heartbeat=watchdog.beat, stop_requested=stop, on_step=lambda k: _target_step(k))
+                           heartbeat=watchdog.beat, stop_requested=stop, on_step=_target_step, timer=_target_timer)
         log(f"target rank {topo.rank}: done, busy {stats['busy_s']:.1f}s, waiting on drafters {stats['wait_s']:.1f}s")
         return _finish_distributed(topo, {"role": "target", **stats})
 
     # ---- drafter rank ------------------------------------------------------------------------
+    balance_timer = ComputeTimer(device)
     drafter = setup.init_drafter(dcfg, target, cfg.train.seed, cfg.drafter.init_from_target, device)
     ctx = StepContext(embed_weight=target.embed_weight.detach(), lm_head_weight=target.lm_head_weight.detach(),
                       block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id, layer_types=dcfg.layer_types,
@@ -169,8 +179,16 @@ def _run(cfg, topo, device, dp_group, out_dir, log, watchdog, stop) -> dict:
         watchdog.beat("waiting for taps")
         epoch, mbs = source.next_step()
         watchdog.beat("drafter step")
+        timed = topo.mode == "disaggregated" and balance.in_window(state["step"] + 1)
+        if timed:
+            balance_timer.start()
         stats, grad_norm = train_step(model, optimizer, scheduler, mbs, ctx, cfg.optim.grad_clip)
+        if timed:
+            balance_timer.stop(sum(mb.input_ids.shape[0] for mb in mbs))
         state["step"] += 1
+        if topo.mode == "disaggregated" and state["step"] == balance.BALANCE_STEP - 1 \
+                and total_steps >= balance.BALANCE_STEP and resume is None:
+            balance.share_and_report("drafter", balance_timer.seconds_per_sequence(), topo, log)
         watchdog.timeout_s = cfg.train.watchdog_seconds  # warm-up (compilation) is over: strict from now
         inject_fault(topo.rank, state["step"])
         health.after_step(state["step"], last=state["step"] == total_steps)

@@ -139,7 +139,7 @@ class RemoteSource:
 
 def serve_taps(target, layer_ids, samples, sampler: StepSampler, plan: BatchPlan, topo: Topology, collate_fn,
                device, num_steps: int, max_in_flight: int, heartbeat=None, stop_requested=None,
-               on_step=None) -> dict:
+               on_step=None, timer=None) -> dict:
     """Target rank loop: for each step, the micro-batches routed here (i % T == this rank)."""
     pending: collections.deque = collections.deque()
     me = topo.target_ranks.index(topo.rank)
@@ -154,7 +154,11 @@ def serve_taps(target, layer_ids, samples, sampler: StepSampler, plan: BatchPlan
                 continue
             mb = collate_fn([samples[j] for j in mb_indices], epoch)
             start = time.perf_counter()
+            if timer is not None:
+                timer(k + 1, "start", 0)
             taps = compute_taps(target, layer_ids, mb, device)
+            if timer is not None:
+                timer(k + 1, "stop", len(mb_indices))
             if device.type == "cuda":
                 torch.cuda.current_stream().synchronize()  # the send must see finished taps
             busy += time.perf_counter() - start

@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-STEPS = 5
+STEPS = 6
 
 
 def train_cmd(nproc: int) -> list[str]:
@@ -71,6 +71,7 @@ def test_disaggregated_matches_colocated(colocated, tiny_target_dir, tmp_path, n
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, rel=1e-4, abs=1e-6), step
     assert len(set(expected.values())) > 1  # the loss moves: the comparison is not vacuous
+    assert "balance: a target rank computes" in proc.stdout  # the measured target:drafter ratio
 
 
 def test_sigkill_then_resume_equals_uninterrupted(colocated, tiny_target_dir, tmp_path):

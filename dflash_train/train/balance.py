@@ -1,0 +1,73 @@
+"""Target/drafter balance of a disaggregated run: who waits for whom, and the ratio that fixes it.
+
+Each side times only its own compute over the first steps: CUDA events on GPU (an NCCL wait
+stalls the stream, not the host, so host clocks would count waiting as work), the host clock on
+CPU. At step `BALANCE_STEP` every rank shares its seconds per sequence (one all_gather_object on
+the whole world, called by target and drafter ranks at the same step), and the main drafter rank
+prints the measured rates and the target:drafter ratio that keeps both sides busy.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+BALANCE_FIRST, BALANCE_STEP = 2, 6  # skip step 1 (compilation), measure steps 2..5
+
+
+class ComputeTimer:
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.events: list = []
+        self.host_seconds = 0.0
+        self.sequences = 0
+        self._start = None
+
+    def start(self) -> None:
+        if self.cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._start = time.perf_counter()
+
+    def stop(self, sequences: int) -> None:
+        self.sequences += sequences
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.events.append((self._start, end))
+        else:
+            self.host_seconds += time.perf_counter() - self._start
+
+    def seconds_per_sequence(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+            seconds = sum(s.elapsed_time(e) for s, e in self.events) / 1000.0
+        else:
+            seconds = self.host_seconds
+        return seconds / max(self.sequences, 1)
+
+
+def in_window(step: int) -> bool:
+    return BALANCE_FIRST <= step < BALANCE_STEP
+
+
+def share_and_report(role: str, seconds_per_seq: float, topo, log) -> dict | None:
+    """Collective: every rank calls it once, at BALANCE_STEP. Returns the figures on the main rank."""
+    gathered = [None] * topo.world_size
+    dist.all_gather_object(gathered, (role, seconds_per_seq))
+    if not topo.is_main:
+        return None
+    t_target = sum(s for r, s in gathered if r == "target") / max(1, sum(r == "target" for r, _ in gathered))
+    t_drafter = sum(s for r, s in gathered if r == "drafter") / max(1, sum(r == "drafter" for r, _ in gathered))
+    ratio = t_target / max(t_drafter, 1e-12)  # target ranks needed per drafter rank
+    world = topo.world_size
+    suggested_targets = min(world - 1, max(1, round(world * ratio / (1 + ratio))))
+    log(f"balance: a target rank computes {1 / t_target:.2f} seq/s, a drafter rank trains {1 / t_drafter:.2f} "
+        f"seq/s (steps {BALANCE_FIRST}-{BALANCE_STEP - 1}); both stay busy at target:drafter = {ratio:.2f}:1, "
+        f"i.e. {suggested_targets} target + {world - suggested_targets} drafter ranks for {world} processes "
+        f"(this run: {topo.num_target_ranks} + {topo.num_drafters})")
+    return {"target_seq_per_s": 1 / t_target, "drafter_seq_per_s": 1 / t_drafter, "ratio": ratio,
+            "suggested_target_ranks": suggested_targets}
