@@ -77,8 +77,8 @@ def _type_name(value) -> str:
     return "null" if value is None else type(value).__name__
 
 
-def _message_list(row: dict, source: str, line: int) -> tuple[str, list, str, str, str]:
-    """Return (list field, messages, role key, content key, shape) for ShareGPT or OpenAI rows."""
+def _message_list(row: dict, source: str, line: int) -> tuple[str, list, str, str]:
+    """Return (list field, raw messages, role key, content key) for a ShareGPT or OpenAI row."""
     if "conversations" in row:
         key, role_key, content_key = "conversations", "from", "value"
     elif "messages" in row:
@@ -91,7 +91,7 @@ def _message_list(row: dict, source: str, line: int) -> tuple[str, list, str, st
         raise DataError(source, line, key, f"expected a list, got {_type_name(messages)}", "wrong_type")
     if not messages:
         raise DataError(source, line, key, "empty conversation", "empty_conversation")
-    return key, messages, role_key, content_key, key
+    return key, messages, role_key, content_key
 
 
 def _parse_message(msg, where: str, role_key: str, content_key: str, source: str, line: int) -> dict:
@@ -127,7 +127,7 @@ def parse_row(row, source: str, line: int, default_id: str | None = None) -> Con
     row; the id is the row's `id` field, else `default_id`, else `source:line`."""
     if not isinstance(row, dict):
         raise DataError(source, line, None, f"expected a JSON object, got {_type_name(row)}", "wrong_type")
-    key, raw, role_key, content_key, _ = _message_list(row, source, line)
+    key, raw, role_key, content_key = _message_list(row, source, line)
     messages = [_parse_message(m, f"{key}[{i}]", role_key, content_key, source, line)
                 for i, m in enumerate(raw)]
     check_role_order(messages, source, line, key, role_key)
