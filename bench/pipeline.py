@@ -190,7 +190,7 @@ def main(argv=None) -> int:
         optimizer, scheduler = build_optimizer(drafter.parameters(), OptimConfig(), 1000, fused=device.type == "cuda")
         model = parallelize(drafter, device=device, compile_model=compiled, dp_group=dp_group, num_drafters=1)
         source = RemoteSource(samples, sampler, plan, topo, collate_fn, dcfg.num_taps * dcfg.hidden_size, dtype,
-                              device, prefetch=a.prefetch)
+                              device, steps_left=a.warmup + a.steps + a.prefetch, prefetch=a.prefetch)
         b.log(f"drafter {dcfg.num_layers} layers, attention {attn}, compile {compiled}; S={S} N={N} B={B}, "
               f"{plan.seqs_per_step} seq/step ({a.accum} x {a.micro_batch})")
     fail_fast(b, "build drafter")

@@ -32,10 +32,14 @@ def build_drafter_config(cfg: RunConfig, target) -> DrafterConfig:
 
 
 def init_drafter(dcfg: DrafterConfig, target, seed: int, from_target: bool, device) -> DFlashDrafter:
-    """Seeded HF-style init; with `from_target`, the final norm copies the target's, so the frozen
-    lm_head sees inputs at the scale it was trained on (sensible initial logit scale), and each
-    drafter layer copies the matching weights of one of the target's last layers where shapes
-    agree (q_norm/k_norm, absent in Llama targets, stay at one)."""
+    """Seeded HF-style init; with `from_target`:
+    - the final norm copies the target's, so the frozen lm_head sees inputs at the scale it was
+      trained on (a sensible initial logit scale instead of logits ~N(0, H));
+    - each drafter layer copies the matching weights of one of the target's last layers where
+      shapes agree (q_norm/k_norm, absent in Llama targets, stay at one);
+    - fc starts as the identity on the deepest tap and hidden_norm as the first copied layer's
+      input norm, so the injected context starts as that layer's own normalised input, which its
+      copied k_proj/v_proj were trained on."""
     drafter = DFlashDrafter(dcfg)
     drafter.reset_parameters(generator=torch.Generator().manual_seed(seed))
     if from_target:
@@ -49,6 +53,12 @@ def _copy_from_target(drafter: DFlashDrafter, target) -> None:
         if norm is not None and norm.shape == drafter.norm.weight.shape:
             drafter.norm.weight.copy_(norm.float())
         source_layers = list(target.layers)[-len(drafter.layers):]
+        hidden = drafter.config.hidden_size
+        drafter.fc.weight.zero_()
+        drafter.fc.weight[:, -hidden:].copy_(torch.eye(hidden))  # [H, K*H]: pick the last tap
+        first_norm = getattr(getattr(source_layers[0], "input_layernorm", None), "weight", None)
+        if first_norm is not None and first_norm.shape == drafter.hidden_norm.weight.shape:
+            drafter.hidden_norm.weight.copy_(first_norm.float())
         for ours, theirs in zip(drafter.layers, source_layers):
             theirs_state = theirs.state_dict()
             for name, param in ours.state_dict().items():
