@@ -54,15 +54,22 @@ def inject_fault(rank: int, step: int) -> None:
 
 
 class StopFlag:
-    """Set by SIGTERM/SIGINT; the loop checkpoints and stops at the next step boundary."""
+    """SIGTERM/SIGINT: inside the training loop (`deferring`), the loop checkpoints and stops at the
+    next step boundary; anywhere else, or on a second signal, the process stops at once."""
 
     def __init__(self):
         self.signal = None
+        self.deferring = False
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame):
-        self.signal = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if not self.deferring or self.signal is not None:
+            print(f"{name}: stopping now", flush=True)
+            raise SystemExit(128 + signum)
+        self.signal = name
+        print(f"{name}: will checkpoint and stop after this step (again to stop at once)", flush=True)
 
     def __call__(self) -> bool:
         return self.signal is not None
@@ -86,152 +93,233 @@ def train(cfg: RunConfig) -> dict:
         watchdog.stop()
 
 
+@dataclasses.dataclass
+class Run:
+    """What every rank knows once setup is done (plain data; built by `_prepare`)."""
+
+    cfg: RunConfig
+    topo: object
+    device: torch.device
+    dp_group: object
+    out_dir: Path
+    log: object
+    watchdog: Watchdog
+    stop: StopFlag
+    target: object = None
+    dcfg: object = None
+    train_samples: list = None
+    held_out: list = None
+    stored_taps: object = None  # per train sample, when taps come from regeneration or shards
+    held_out_taps: object = None
+    plan: BatchPlan = None
+    sampler: StepSampler = None
+    total_steps: int = 0
+    backend: str = "sdpa"
+    compiled: bool = False
+    collate_fn: object = None
+    eval_mbs: list = None
+    checkpointer: Checkpointer = None
+    resume: tuple | None = None
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.dcfg.target_layer_ids)
+
+
 def _run(cfg, topo, device, dp_group, out_dir, log, watchdog, stop) -> dict:
+    run = _prepare(Run(cfg, topo, device, dp_group, out_dir, log, watchdog, stop))
+    if topo.is_target:
+        return _serve(run)
+    return _train_drafter(run)
+
+
+def _prepare(run: Run) -> Run:
+    """Target, drafter config, samples (and taps where stored), batching, resume point."""
     from dflash_train.model.target import load_target
 
-    with watchdog.stage("load target"):
-        target = load_target(cfg.target.model, cfg.target.gguf_file, cfg.target.dtype, device,
-                             cfg.target.trust_remote_code)
-    dcfg = setup.build_drafter_config(cfg, target)
-    layer_ids = list(dcfg.target_layer_ids)
-    stored_taps = held_out_taps = None
-    with watchdog.stage("prepare data"):
+    cfg, topo = run.cfg, run.topo
+    with run.watchdog.stage("load target"):
+        run.target = load_target(cfg.target.model, cfg.target.gguf_file, cfg.target.dtype, run.device,
+                                 cfg.target.trust_remote_code)
+    run.dcfg = setup.build_drafter_config(cfg, run.target)
+    with run.watchdog.stage("prepare data"):
         if topo.mode == "offline":
-            (train_samples, stored_taps), (held_out, held_out_taps) = setup.samples_from_shards(cfg, layer_ids, log)
+            (run.train_samples, run.stored_taps), (run.held_out, run.held_out_taps) = \
+                setup.samples_from_shards(cfg, run.layer_ids, run.log)
         elif setup.taps_from_regeneration(cfg, topo):
-            (train_samples, stored_taps), (held_out, held_out_taps) = setup.prepare_tapped(
-                cfg, target, layer_ids, out_dir / "data", log, watchdog.beat)
+            (run.train_samples, run.stored_taps), (run.held_out, run.held_out_taps) = setup.prepare_tapped(
+                cfg, run.target, run.layer_ids, run.out_dir / "data", run.log, run.watchdog.beat)
         else:
-            train_samples, held_out = setup.load_or_build_samples(cfg, target, topo, out_dir / "data", log,
-                                                                  heartbeat=watchdog.beat)
-    plan = BatchPlan(cfg.train.seqs_per_step, cfg.train.micro_batch, topo.num_drafters)
-    sampler = StepSampler(len(train_samples), cfg.train.seqs_per_step, cfg.train.seed)
-    total_steps = setup.total_steps_of(cfg, sampler.steps_per_epoch)
-    backend = resolve_backend(cfg.train.attention, device)
-    compiled = resolve_compile(cfg.train.compile, device)
-    pad_multiple = cfg.data.max_len if compiled else PAD_MULTIPLE
-    collate_fn = CollateArgs(cfg.train.seed, cfg.train.num_anchors, pad_multiple, cfg.data.max_len)
-    eval_mbs = setup.eval_batches(held_out, cfg.eval.sim_anchors_per_seq, pad_multiple, cfg.data.max_len)
-    checkpointer = Checkpointer(out_dir, cfg.train.keep_last)
-    resume = _resume_point(cfg, topo, checkpointer)
+            run.train_samples, run.held_out = setup.load_or_build_samples(
+                cfg, run.target, topo, run.out_dir / "data", run.log, heartbeat=run.watchdog.beat)
+    run.plan = BatchPlan(cfg.train.seqs_per_step, cfg.train.micro_batch, topo.num_drafters)
+    run.sampler = StepSampler(len(run.train_samples), cfg.train.seqs_per_step, cfg.train.seed)
+    run.total_steps = setup.total_steps_of(cfg, run.sampler.steps_per_epoch)
+    run.backend = resolve_backend(cfg.train.attention, run.device)
+    run.compiled = resolve_compile(cfg.train.compile, run.device)
+    pad_multiple = cfg.data.max_len if run.compiled else PAD_MULTIPLE
+    run.collate_fn = CollateArgs(cfg.train.seed, cfg.train.num_anchors, pad_multiple, cfg.data.max_len)
+    run.eval_mbs = setup.eval_batches(run.held_out, cfg.eval.sim_anchors_per_seq, pad_multiple, cfg.data.max_len)
+    run.checkpointer = Checkpointer(run.out_dir, cfg.train.keep_last)
+    run.resume = _resume_point(cfg, topo, run.checkpointer)
+    return run
 
-    balance_timer = ComputeTimer(device)
 
-    def _target_timer(k: int, event: str, sequences: int) -> None:
+def _balance_due(run: Run, step: int) -> bool:
+    return (run.topo.mode == "disaggregated" and step == balance.BALANCE_STEP - 1
+            and run.total_steps >= balance.BALANCE_STEP and run.resume is None)
+
+
+def _serve(run: Run) -> dict:
+    """A target rank: compute and send the taps of every micro-batch routed to it."""
+    cfg, topo = run.cfg, run.topo
+    timer = ComputeTimer(run.device)
+
+    def on_timer(k: int, event: str, sequences: int) -> None:
         if balance.in_window(k):
-            balance_timer.start() if event == "start" else balance_timer.stop(sequences)
+            timer.start() if event == "start" else timer.stop(sequences)
 
-    def _target_step(k: int) -> None:
-        watchdog.timeout_s = cfg.train.watchdog_seconds
+    def on_step(k: int) -> None:
+        run.watchdog.timeout_s = cfg.train.watchdog_seconds
         inject_fault(topo.rank, k)
-        if k == balance.BALANCE_STEP - 1 and total_steps >= balance.BALANCE_STEP and resume is None:
-            balance.share_and_report("target", balance_timer.seconds_per_sequence(), topo, log)
+        if _balance_due(run, k):
+            balance.share_and_report("target", timer.seconds_per_sequence(), topo, run.log)
 
-    if topo.is_target:
-        if resume is not None:
-            sampler.load_state_dict(resume[1]["data"])
-        _send_eval_taps(target, layer_ids, eval_mbs, topo, device)
-        stats = serve_taps(target, layer_ids, train_samples, sampler, plan, topo, collate_fn, device,
-                           total_steps - (resume[1]["train"]["step"] if resume else 0), cfg.topology.max_in_flight,
-                           heartbeat=watchdog.beat, stop_requested=stop, on_step=_target_step, timer=_target_timer)
-        log(f"target rank {topo.rank}: done, busy {stats['busy_s']:.1f}s, waiting on drafters {stats['wait_s']:.1f}s")
-        return _finish_distributed(topo, {"role": "target", **stats})
+    done = 0
+    if run.resume is not None:
+        run.sampler.load_state_dict(run.resume[1]["data"])
+        done = run.resume[1]["train"]["step"]
+    _send_eval_taps(run.target, run.layer_ids, run.eval_mbs, topo, run.device)
+    stats = serve_taps(run.target, run.layer_ids, run.train_samples, run.sampler, run.plan, topo, run.collate_fn,
+                       run.device, run.total_steps - done, cfg.topology.max_in_flight, heartbeat=run.watchdog.beat,
+                       stop_requested=run.stop, on_step=on_step, timer=on_timer)
+    run.log(f"target rank {topo.rank}: done, busy {stats['busy_s']:.1f}s, waiting on drafters {stats['wait_s']:.1f}s")
+    return _finish_distributed(topo, {"role": "target", **stats})
 
-    # ---- drafter rank ------------------------------------------------------------------------
-    balance_timer = ComputeTimer(device)
-    drafter = setup.init_drafter(dcfg, target, cfg.train.seed, cfg.drafter.init_from_target, device)
-    ctx = StepContext(embed_weight=target.embed_weight.detach(), lm_head_weight=target.lm_head_weight.detach(),
-                      block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id, layer_types=dcfg.layer_types,
-                      sliding_window=dcfg.sliding_window, gamma=setup.gamma_of(cfg), chunk_tokens=cfg.loss.chunk_tokens,
-                      backend=backend, device=device,
-                      autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
-                      dp_group=dp_group, num_drafters=topo.num_drafters)
-    optimizer, scheduler = build_optimizer(drafter.parameters(), cfg.optim, total_steps, fused=device.type == "cuda")
-    taps_width = dcfg.num_taps * dcfg.hidden_size
-    if stored_taps is not None:
-        source = StoredTapsSource(train_samples, sampler, plan, topo.drafter_index, collate_fn,
-                                  lambda i: stored_taps[i], target.dtype)
-        setup.fill_eval_taps(eval_mbs, held_out_taps, target.dtype)
-    elif topo.mode == "colocated":
-        source = ColocatedSource(train_samples, sampler, plan, topo.drafter_index, collate_fn, target, layer_ids, device)
-        for mb in eval_mbs:
-            mb.taps = compute_taps(target, layer_ids, mb, device)
-    else:
-        source = RemoteSource(train_samples, sampler, plan, topo, collate_fn, taps_width, target.dtype, device,
-                              steps_left=total_steps)
-        _recv_eval_taps(eval_mbs, topo, taps_width, target.dtype, device)
+
+def _taps_source(run: Run):
+    """Where this drafter rank's taps come from; also fills the held-out batches' taps."""
+    taps_width = run.dcfg.num_taps * run.dcfg.hidden_size
+    dtype, index = run.target.dtype, run.topo.drafter_index
+    if run.stored_taps is not None:
+        setup.fill_eval_taps(run.eval_mbs, run.held_out_taps, dtype)
+        return StoredTapsSource(run.train_samples, run.sampler, run.plan, index, run.collate_fn,
+                                lambda i: run.stored_taps[i], dtype)
+    if run.topo.mode == "colocated":
+        for mb in run.eval_mbs:
+            mb.taps = compute_taps(run.target, run.layer_ids, mb, run.device)
+        return ColocatedSource(run.train_samples, run.sampler, run.plan, index, run.collate_fn, run.target,
+                               run.layer_ids, run.device)
+    _recv_eval_taps(run.eval_mbs, run.topo, taps_width, dtype, run.device)
+    return RemoteSource(run.train_samples, run.sampler, run.plan, run.topo, run.collate_fn, taps_width, dtype,
+                        run.device, steps_left=run.total_steps)
+
+
+def _step_context(run: Run) -> StepContext:
+    cuda = run.device.type == "cuda"
+    return StepContext(embed_weight=run.target.embed_weight.detach(),
+                       lm_head_weight=run.target.lm_head_weight.detach(), block_size=run.dcfg.block_size,
+                       mask_token_id=run.dcfg.mask_token_id, layer_types=run.dcfg.layer_types,
+                       sliding_window=run.dcfg.sliding_window, gamma=setup.gamma_of(run.cfg),
+                       chunk_tokens=run.cfg.loss.chunk_tokens, backend=run.backend, device=run.device,
+                       autocast_dtype=torch.bfloat16 if cuda else None, dp_group=run.dp_group,
+                       num_drafters=run.topo.num_drafters)
+
+
+def _train_drafter(run: Run) -> dict:
+    """A drafter rank: build, resume, then the loop; the main rank exports and evaluates."""
+    cfg, topo, log = run.cfg, run.topo, run.log
+    drafter = setup.init_drafter(run.dcfg, run.target, cfg.train.seed, cfg.drafter.init_from_target, run.device)
+    ctx = _step_context(run)
+    optimizer, scheduler = build_optimizer(drafter.parameters(), cfg.optim, run.total_steps,
+                                           fused=run.device.type == "cuda")
+    source = _taps_source(run)
     state = {"step": 0, "tokens": 0, "seconds": 0.0}
-    if resume is not None:
-        state = _restore(resume, drafter, optimizer, scheduler, source)
-        log(f"resumed from {resume[0]} at step {state['step']}")
-    model = parallelize(drafter, device=device, compile_model=compiled, dp_group=dp_group,
+    if run.resume is not None:
+        state = _restore(run.resume, drafter, optimizer, scheduler, source)
+        log(f"resumed from {run.resume[0]} at step {state['step']}")
+    model = parallelize(drafter, device=run.device, compile_model=run.compiled, dp_group=run.dp_group,
                         num_drafters=topo.num_drafters)
     if topo.is_main:
-        log(setup.describe(cfg, dcfg, topo, len(train_samples), len(held_out), total_steps, plan.accum, backend,
-                           compiled, taps_width * target.dtype.itemsize))
-    metrics = MetricsLog(out_dir, total_steps, state["step"], topo.is_main, cfg.train.tensorboard)
-    health = CompileHealthWatch(compiled, backend == "flex", state["step"], log)
+        log(setup.describe(cfg, run.dcfg, topo, len(run.train_samples), len(run.held_out), run.total_steps,
+                           run.plan.accum, run.backend, run.compiled,
+                           run.dcfg.num_taps * run.dcfg.hidden_size * run.target.dtype.itemsize))
+    last_sim = _loop(run, drafter, model, ctx, optimizer, scheduler, source, state)
+    result = {"role": "drafter", "steps": state["step"], "total_steps": run.total_steps, "tokens": state["tokens"],
+              "sim": last_sim, "interrupted": run.stop.signal, "out_dir": str(run.out_dir)}
+    if topo.is_main:
+        best = run.checkpointer.best() or run.checkpointer.latest()
+        result["export"] = str(_export(best, run.out_dir, log))
+        result["checkpoint"] = str(best)
+        if cfg.eval.num_prompts > 0 and topo.mode == "colocated" and not run.stop():
+            with run.watchdog.stage("real speculative decoding eval"):
+                result.update(_real_eval(cfg, Path(result["export"]), run.target, run.out_dir, log))
+    return _finish_distributed(topo, result)
+
+
+def _loop(run: Run, drafter, model, ctx, optimizer, scheduler, source, state: dict):
+    """The training loop: taps -> step -> log / held-out simulated tau / checkpoint. Returns the
+    last held-out figures."""
+    cfg, topo, watchdog = run.cfg, run.topo, run.watchdog
+    metrics = MetricsLog(run.out_dir, run.total_steps, state["step"], topo.is_main, cfg.train.tensorboard)
+    health = CompileHealthWatch(run.compiled, run.backend == "flex", state["step"], run.log)
+    timer = ComputeTimer(run.device)
     meta = {"config": cfg.to_dict(), "provenance": provenance(topo.world_size)}
     last_sim = None
     interval_tokens, interval_start, budget_start = 0, time.perf_counter(), time.perf_counter()
-
-    while state["step"] < total_steps:
+    run.stop.deferring = True
+    while state["step"] < run.total_steps:
         watchdog.beat("waiting for taps")
         epoch, mbs = source.next_step()
         watchdog.beat("drafter step")
         timed = topo.mode == "disaggregated" and balance.in_window(state["step"] + 1)
         if timed:
-            balance_timer.start()
+            timer.start()
         stats, grad_norm = train_step(model, optimizer, scheduler, mbs, ctx, cfg.optim.grad_clip)
         if timed:
-            balance_timer.stop(sum(mb.input_ids.shape[0] for mb in mbs))
+            timer.stop(sum(mb.input_ids.shape[0] for mb in mbs))
         state["step"] += 1
-        if topo.mode == "disaggregated" and state["step"] == balance.BALANCE_STEP - 1 \
-                and total_steps >= balance.BALANCE_STEP and resume is None:
-            balance.share_and_report("drafter", balance_timer.seconds_per_sequence(), topo, log)
+        step, last = state["step"], state["step"] == run.total_steps
+        if _balance_due(run, step):
+            balance.share_and_report("drafter", timer.seconds_per_sequence(), topo, run.log)
         watchdog.timeout_s = cfg.train.watchdog_seconds  # warm-up (compilation) is over: strict from now
-        inject_fault(topo.rank, state["step"])
-        health.after_step(state["step"], last=state["step"] == total_steps)
+        inject_fault(topo.rank, step)
+        health.after_step(step, last=last)
         step_tokens = sum(int(mb.attention_mask.sum()) for mb in mbs) * topo.num_drafters
         state["tokens"] += step_tokens
         interval_tokens += step_tokens
-        step, last = state["step"], state["step"] == total_steps
         out_of_time = bool(cfg.train.max_minutes) and time.perf_counter() - budget_start > 60 * cfg.train.max_minutes
-        stopping = _agree(stop() or out_of_time, ctx)
+        stopping = _agree(run.stop() or out_of_time, ctx)
         if step % cfg.train.log_every == 0 or last or stopping:
             rate = interval_tokens / max(time.perf_counter() - interval_start, 1e-9)
-            record = _train_record(step, epoch, reduce_stats(stats, ctx, dcfg.block_size), grad_norm, scheduler, rate)
-            metrics.log(record)
-            metrics.advance(0, {"loss": f"{record['loss']:.3f}", "acc1": f"{record['acc'][0]:.2f}",
-                                "sim_tau": f"{record['sim_tau']:.2f}", "tok/s": f"{rate:.0f}"})
+            _log_step(metrics, _train_record(step, epoch, reduce_stats(stats, ctx, run.dcfg.block_size), grad_norm,
+                                             scheduler, rate))
             interval_tokens, interval_start = 0, time.perf_counter()
         metrics.advance(1, {})
         if topo.is_main and (step % cfg.train.eval_every == 0 or last or stopping):
             with watchdog.stage("held-out simulated tau"):
-                last_sim = simulated_tau(drafter, eval_mbs, ctx)
+                last_sim = simulated_tau(drafter, run.eval_mbs, ctx)
             metrics.log({"step": step, "eval": last_sim})
             metrics.write(f"step {step}: held-out simulated tau {last_sim['sim_tau']:.3f}, acc {_fmt(last_sim['acc'])}")
         if topo.is_main and (step % cfg.train.ckpt_every == 0 or last or stopping):
             with watchdog.stage("checkpoint"):
                 state["seconds"] = time.perf_counter() - budget_start
-                path = checkpointer.save(step, drafter, _trainer_state(state, optimizer, scheduler, source),
-                                         meta, sim_tau=last_sim["sim_tau"] if last_sim else None)
+                path = run.checkpointer.save(step, drafter, _trainer_state(state, optimizer, scheduler, source),
+                                             meta, sim_tau=last_sim["sim_tau"] if last_sim else None)
             metrics.write(f"step {step}: checkpoint {path}")
         if stopping:
-            why = stop.signal or f"train.max_minutes={cfg.train.max_minutes} spent"
+            why = run.stop.signal or f"train.max_minutes={cfg.train.max_minutes} spent"
             metrics.write(f"stopping at step {step}: {why}; resume with train.resume=true")
             break
+    run.stop.deferring = False
     metrics.close()
-    result = {"role": "drafter", "steps": state["step"], "total_steps": total_steps, "tokens": state["tokens"],
-              "sim": last_sim, "interrupted": stop.signal, "out_dir": str(out_dir)}
-    if topo.is_main:
-        best = checkpointer.best() or checkpointer.latest()
-        result["export"] = str(_export(best, out_dir, log))
-        result["checkpoint"] = str(best)
-        if cfg.eval.num_prompts > 0 and topo.mode == "colocated" and not stop():
-            with watchdog.stage("real speculative decoding eval"):
-                result.update(_real_eval(cfg, Path(result["export"]), target, out_dir, log))
-    return _finish_distributed(topo, result)
+    return last_sim
+
+
+def _log_step(metrics: MetricsLog, record: dict) -> None:
+    metrics.log(record)
+    metrics.advance(0, {"loss": f"{record['loss']:.3f}", "acc1": f"{record['acc'][0]:.2f}",
+                        "sim_tau": f"{record['sim_tau']:.2f}", "tok/s": f"{record['tokens_per_s']:.0f}"})
 
 
 def _eval_prompt_sets(cfg: RunConfig) -> dict:
