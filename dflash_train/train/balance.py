@@ -54,7 +54,7 @@ def in_window(step: int) -> bool:
     return BALANCE_FIRST <= step < BALANCE_STEP
 
 
-def share_and_report(role: str, seconds_per_seq: float, topo, log) -> dict | None:
+def share_and_report(role: str, seconds_per_seq: float, topo, log, taps_bytes_per_seq: float = 0.0) -> dict | None:
     """Collective: every rank calls it once, at BALANCE_STEP. Returns the figures on the main rank."""
     gathered = [None] * topo.world_size
     dist.all_gather_object(gathered, (role, seconds_per_seq))
@@ -68,6 +68,7 @@ def share_and_report(role: str, seconds_per_seq: float, topo, log) -> dict | Non
     log(f"balance: a target rank computes {1 / t_target:.2f} seq/s, a drafter rank trains {1 / t_drafter:.2f} "
         f"seq/s (steps {BALANCE_FIRST}-{BALANCE_STEP - 1}); both stay busy at target:drafter = {ratio:.2f}:1, "
         f"i.e. {suggested_targets} target + {world - suggested_targets} drafter ranks for {world} processes "
-        f"(this run: {topo.num_target_ranks} + {topo.num_drafters})")
+        f"(this run: {topo.num_target_ranks} + {topo.num_drafters}); at that rate each drafter rank receives "
+        f"{taps_bytes_per_seq / t_drafter / 1e6:.1f} MB/s of taps")
     return {"target_seq_per_s": 1 / t_target, "drafter_seq_per_s": 1 / t_drafter, "ratio": ratio,
             "suggested_target_ranks": suggested_targets}

@@ -281,7 +281,9 @@ def _loop(run: Run, drafter, model, ctx, optimizer, scheduler, source, state: di
         state["step"] += 1
         step, last = state["step"], state["step"] == run.total_steps
         if _balance_due(run, step):
-            balance.share_and_report("drafter", timer.seconds_per_sequence(), topo, run.log)
+            taps = [mb.taps for mb in mbs]
+            balance.share_and_report("drafter", timer.seconds_per_sequence(), topo, run.log,
+                                     sum(t.numel() * t.element_size() for t in taps) / sum(t.shape[0] for t in taps))
         watchdog.timeout_s = cfg.train.watchdog_seconds  # warm-up (compilation) is over: strict from now
         inject_fault(topo.rank, step)
         health.after_step(step, last=last)
