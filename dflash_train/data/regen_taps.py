@@ -75,29 +75,60 @@ def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
+@torch.no_grad()
 def _generate_batch(target, prompts: list[list[int]], layer_ids: list[int], max_new_tokens: int,
                     stop_ids: list[int], storage_dtype: torch.dtype) -> list[tuple[list[int], list[int], torch.Tensor]]:
-    """Greedy responses of one batch; per row (input_ids, loss_mask, taps [len, K*H])."""
+    """Greedy responses of one batch; per row (input_ids, loss_mask, taps [len, K*H]).
+
+    A row that has produced its end-of-turn token leaves the batch and the KV cache at once
+    (`DynamicCache.batch_select_indices`): on a CPU the cost of a decode step grows with the rows
+    in it, and chat replies differ in length by 5x, so finished rows would waste most of the work.
+    """
+    from dflash_train.eval.spec_decode import _cache_kwarg, new_cache
+
+    model = target.model
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop_ids[0]
     ids, mask = _left_pad(prompts, pad)
-    out = target.model.generate(input_ids=ids.to(target.device), attention_mask=mask.to(target.device),
-                                max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop_ids,
-                                pad_token_id=pad, output_hidden_states=True, return_dict_in_generate=True)
+    ids, mask = ids.to(target.device), mask.to(target.device)
+    cache, cache_arg = new_cache(), _cache_kwarg(type(model))
+    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                use_cache=True, output_hidden_states=True, logits_to_keep=1, **{cache_arg: cache})
     width = ids.shape[1]
-    prompt_taps = torch.cat([out.hidden_states[0][i + 1] for i in layer_ids], dim=-1)  # [b, P, K*H]
-    step_taps = [torch.cat([h[i + 1] for i in layer_ids], dim=-1) for h in out.hidden_states[1:]]  # [b, 1, K*H]
-    gen_taps = torch.cat([prompt_taps[:, -1:]] + step_taps, dim=1) if step_taps else prompt_taps[:, -1:]
+    prompt_taps = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)  # [b, P, K*H]
+    responses = [[] for _ in prompts]
+    fed_taps = [[] for _ in prompts]  # hidden state of each response token once it is fed back
+    active = list(range(len(prompts)))
+    next_tok = out.logits[:, -1].argmax(-1)  # [b]
+    positions = mask.sum(-1)  # next position of each active row
+    for _ in range(max_new_tokens):
+        keep = []
+        for j, (row, token) in enumerate(zip(active, next_tok.tolist())):
+            responses[row].append(token)
+            if token not in stop_ids and len(responses[row]) < max_new_tokens:
+                keep.append(j)
+        if not keep:
+            break
+        if len(keep) < len(active):
+            index = torch.tensor(keep, device=ids.device)
+            cache.batch_select_indices(index)
+            mask, next_tok, positions = mask[index], next_tok[index], positions[index]
+            active = [active[j] for j in keep]
+        mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
+        out = model(input_ids=next_tok[:, None], attention_mask=mask, position_ids=positions[:, None],
+                    use_cache=True, output_hidden_states=True, **{cache_arg: cache})
+        step_taps = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)[:, 0]  # [b', K*H]
+        for j, row in enumerate(active):
+            fed_taps[row].append(step_taps[j].to(storage_dtype))
+        next_tok, positions = out.logits[:, -1].argmax(-1), positions + 1
     rows = []
     for r, prompt in enumerate(prompts):
-        generated = out.sequences[r, width:].tolist()
-        end = next((k + 1 for k, t in enumerate(generated) if t in stop_ids), len(generated))
-        response = generated[:end]
-        # taps: prompt positions, then the positions of response tokens 0..n-2 (token k's hidden state
-        # is computed when it is fed back, at generation step k+1); the last response token has none.
+        response = responses[r]
+        # taps: prompt positions, then response tokens 0..n-2 (token k's hidden state is computed when
+        # it is fed back); the last response token is never fed back, so its tap stays zero.
         taps = torch.zeros(len(prompt) + len(response), prompt_taps.shape[-1], dtype=storage_dtype)
         taps[:len(prompt)] = prompt_taps[r, width - len(prompt):].to(storage_dtype)
-        fed = gen_taps[r, 1:len(response)]  # hidden states of response tokens 0..n-2
-        taps[len(prompt):len(prompt) + fed.shape[0]] = fed.to(storage_dtype)
+        if fed_taps[r]:
+            taps[len(prompt):len(prompt) + len(fed_taps[r])] = torch.stack(fed_taps[r])
         rows.append((prompt + response, [0] * len(prompt) + [1] * len(response), taps))
     return rows
 

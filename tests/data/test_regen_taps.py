@@ -1,0 +1,32 @@
+"""Regenerate + tap in one pass: the kept taps equal a separate full forward of the final ids."""
+
+import torch
+
+from dflash_train.data.conversations import Conversation
+from dflash_train.data.regen_taps import TappedSamples, regenerate_with_taps
+
+IDS = [1, 3, 4]
+
+
+def test_taps_from_generation_equal_a_full_forward(smollm2_target, tmp_path):
+    target = smollm2_target
+    convs = [Conversation("long", [{"role": "user", "content": "Explain how a bicycle stays upright."}]),
+             Conversation("short", [{"role": "user", "content": "hi"}]),
+             Conversation("mid", [{"role": "user", "content": "Give me one tip for sleeping better."}])]
+    tapped, report = regenerate_with_taps(target, convs, IDS, max_new_tokens=24, batch_size=3, max_len=256,
+                                          storage_dtype=torch.float32)
+    assert report["samples"] == 3 and report["new_tokens"] == sum(sum(s.loss_mask) for s in tapped.samples)
+    for sample, taps in zip(tapped.samples, tapped.taps):
+        ids = torch.tensor([sample.input_ids])
+        n = len(sample) - 1  # the last response token is never fed back: no tap
+        full = target.taps(ids, None, IDS)[0]
+        torch.testing.assert_close(taps[:n], full[:n], rtol=1e-4, atol=1e-4)
+        assert taps[-1].abs().sum() == 0
+        # the response is the target's own greedy continuation of the prompt
+        prompt_len = sample.loss_mask.index(1)
+        greedy = target.model(ids).logits[0, prompt_len - 1:-1].argmax(-1)
+        assert greedy.tolist() == list(sample.input_ids[prompt_len:])
+    path = tmp_path / "t.safetensors"
+    tapped.save(path)
+    again = TappedSamples.load(path)
+    assert again.samples == tapped.samples and all(torch.equal(a, b) for a, b in zip(again.taps, tapped.taps))
