@@ -24,7 +24,7 @@ def default() -> RunConfig:
         train=replace(base.train, out_dir="runs/default", epochs=3, seqs_per_step=8, num_anchors=40,
                       max_minutes=8.0, log_every=5, eval_every=20, ckpt_every=20),
         optim=replace(base.optim, lr=1e-3),
-        eval=replace(base.eval, num_prompts=16, max_new_tokens=96),
+        eval=replace(base.eval, num_prompts=8, max_new_tokens=64),
     )
 
 
