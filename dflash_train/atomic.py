@@ -40,6 +40,23 @@ def write_text(path: str | Path, text: str) -> None:
     write_bytes(path, text.encode())
 
 
+def write_with(path: str | Path, write) -> None:
+    """Atomic version of `write(tmp_path)` for writers that want a path (safetensors, torch.save)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    os.close(fd)
+    try:
+        write(Path(tmp))
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def _fsync_tree(root: Path) -> None:
     for path in root.rglob("*"):
         if path.is_file():

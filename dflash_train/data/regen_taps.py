@@ -40,13 +40,8 @@ class TappedSamples:
                    "input_ids": torch.tensor([t for s in self.samples for t in s.input_ids], dtype=torch.int32),
                    "loss_mask": torch.tensor([m for s in self.samples for m in s.loss_mask], dtype=torch.uint8),
                    "taps": torch.cat(self.taps).contiguous()}
-        tmp = str(path) + ".tmp"
-        save_file(tensors, tmp, metadata={"ids": "\n".join(s.id for s in self.samples)})
-        with open(tmp, "rb") as f:
-            atomic.write_bytes(path, f.read())
-        import os
-
-        os.unlink(tmp)
+        atomic.write_with(path, lambda tmp: save_file(tensors, str(tmp),
+                                                      metadata={"ids": "\n".join(s.id for s in self.samples)}))
 
     @classmethod
     def load(cls, path) -> "TappedSamples":

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,14 +71,8 @@ def _write_index(out_dir: Path, index: dict) -> None:
 
 def _write_shard(path: Path, tensors: dict[str, torch.Tensor], sample_ids: list[str]) -> str:
     """Write via temp file + fsync + rename; return the file's sha256."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    save_file(tensors, str(tmp), metadata={"sample_ids": json.dumps(sample_ids)})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    digest = _sha256(tmp)
-    os.rename(tmp, path)
-    atomic.fsync_dir(path.parent)
-    return digest
+    atomic.write_with(path, lambda tmp: save_file(tensors, str(tmp), metadata={"sample_ids": json.dumps(sample_ids)}))
+    return _sha256(path)
 
 
 # ---------------------------------------------------------------------------------------------
