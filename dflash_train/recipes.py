@@ -20,7 +20,8 @@ def default() -> RunConfig:
     return replace(
         base,
         drafter=replace(base.drafter, num_layers=2, block_size=8),
-        data=replace(base.data, max_len=320, max_samples=300, regen_max_new_tokens=96, regen_batch_size=8),
+        data=replace(base.data, max_len=320, max_samples=300, regen_max_new_tokens=96, regen_batch_size=8,
+                     eval_fraction=0.05),
         train=replace(base.train, out_dir="runs/default", epochs=3, seqs_per_step=8, num_anchors=40,
                       max_minutes=8.0, log_every=5, eval_every=20, ckpt_every=20),
         optim=replace(base.optim, lr=1e-3),
