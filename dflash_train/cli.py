@@ -59,7 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     selected = next((a for a in argv if a in COMMANDS), None)
     parser = build_parser(selected)
-    args = parser.parse_args(argv)
+    # overrides (section.field=value) may come after flags too: `train --resume train.max_steps=9`
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or not all("=" in e and not e.startswith("-") for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = list(args.overrides) + extra
     if args.command is None:
         parser.print_help()
         return 2

@@ -30,3 +30,14 @@ def test_round_trip_through_dict():
 def test_gamma_follows_the_paper():
     assert derived_gamma(16, None) == 7.0 and derived_gamma(10, None) == 5.0 and derived_gamma(8, None) == 4.0
     assert derived_gamma(16, 3.0) == 3.0
+
+
+def test_cli_takes_overrides_before_and_after_flags(capsys):
+    import json
+
+    from dflash_train.cli import main
+
+    assert main(["train", "train.max_steps=7", "--print-config", "optim.lr=0.002"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["train"]["max_steps"] == 7 and printed["optim"]["lr"] == 0.002
+    assert main(["train", "--print-config", "bogus.key=1"]) == 2  # unknown keys are still errors
