@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from dflash_train.config import RunConfig
 from dflash_train.diagnostics.watchdog import Watchdog
-from dflash_train.model.hf_format import save_zlab
+from dflash_train.model.hf_format import load_zlab, save_zlab
 from dflash_train.train import balance, setup
 from dflash_train.train.balance import ComputeTimer
 from dflash_train.train.batching import BatchPlan, StepSampler
@@ -338,7 +338,6 @@ def _eval_prompt_sets(cfg: RunConfig) -> dict:
 def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log) -> dict:
     """Real speculative decoding of the exported drafter against the target, on held-out prompts."""
     from dflash_train.eval.evaluate import evaluate
-    from dflash_train.model.hf_format import load_zlab
 
     drafter = load_zlab(drafter_dir, device=target.device, dtype=target.dtype)
     report = evaluate(drafter, target, _eval_prompt_sets(cfg), max_new_tokens=cfg.eval.max_new_tokens,
@@ -466,7 +465,7 @@ def _recv_eval_taps(eval_mbs, topo, width, dtype, device) -> None:
 
 def _export(checkpoint: Path, out_dir: Path, log) -> Path:
     """The serving artefact: the chosen checkpoint's drafter in bf16, z-lab format."""
-    drafter, _, _ = Checkpointer.load(checkpoint, device="cpu")
+    drafter = load_zlab(checkpoint / "drafter", device="cpu")  # weights only: no optimizer state read
     path = save_zlab(drafter, out_dir / "drafter", dtype=torch.bfloat16)
     log(f"exported z-lab drafter {path} (from {checkpoint.name})")
     return path
