@@ -295,7 +295,7 @@ def mean_context(mb) -> float:
 
 
 def step_context(dcfg, embed, lm_head, device: torch.device, backend: str, chunk_tokens: int,
-                 dp_group=None, num_drafters: int = 1):
+                 dp_group=None, num_drafters: int = 1, compile_loss: bool = False):
     from dflash_train.config import derived_gamma
     from dflash_train.train.step import StepContext
 
@@ -304,7 +304,7 @@ def step_context(dcfg, embed, lm_head, device: torch.device, backend: str, chunk
                        sliding_window=dcfg.sliding_window, gamma=derived_gamma(dcfg.block_size, None),
                        chunk_tokens=chunk_tokens, backend=backend, device=device,
                        autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
-                       dp_group=dp_group, num_drafters=num_drafters)
+                       dp_group=dp_group, num_drafters=num_drafters, compile_loss=compile_loss)
 
 
 def frozen_embeddings(vocab: int, hidden: int, device: torch.device, dtype: torch.dtype, std: float = 0.02):
@@ -392,3 +392,51 @@ def check_compile_health(bench: Bench, module, st: dict, expect_compiled_flex: b
     summary = getattr(report, "summary", lambda: repr(report))()
     bench.info["compile_health"] = f"ok: {summary}"
     bench.log(f"compile health OK: {summary}")
+
+
+KERNEL_GROUPS = (  # (group, substrings of a kernel or op name), first match wins
+    ("matmul", ("gemm", "cutlass", "nvjet", "sm90_xmma", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("attention", ("flex", "attention", "flash")),
+    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("mask builder", ("block_mask", "create_block")),
+    ("copies", ("copy", "memcpy", "memset", "fill")),
+    ("fused elementwise/reductions", ("triton_", "fused", "elementwise", "reduce")),
+)
+
+
+def kernel_group(name: str) -> str:
+    low = name.lower()
+    return next((group for group, keys in KERNEL_GROUPS if any(k in low for k in keys)), "other")
+
+
+def profile_steps(bench: Bench, step, steps: int, device: torch.device, rows: int = 25) -> None:
+    """Run `steps` steps under torch.profiler; print the top kernels and the time per kernel group
+    (device time on CUDA, CPU time otherwise), as figures `profile_<group>_ms` per step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sync(device)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            step()
+        sync(device)
+    events = prof.key_averages()
+    on_device = device.type == "cuda"
+    key = "self_device_time_total" if on_device else "self_cpu_time_total"
+
+    def self_us(e) -> float:
+        return float(getattr(e, key, 0.0) or getattr(e, key.replace("device", "cuda"), 0.0) or 0.0)
+
+    kernels = [e for e in events if self_us(e) > 0 and (not on_device or e.device_type.name == "CUDA")]
+    kernels.sort(key=self_us, reverse=True)
+    total = sum(self_us(e) for e in kernels) or 1.0
+    bench.log(f"profile over {steps} steps: {total / 1e3 / steps:.1f} ms of {'device' if on_device else 'CPU'} "
+              f"time per step; top kernels (ms per step, share, calls per step):")
+    for e in kernels[:rows]:
+        bench.log(f"  {self_us(e) / 1e3 / steps:8.2f} ms {100 * self_us(e) / total:5.1f}% "
+                  f"{e.count / steps:6.1f}x  [{kernel_group(e.key)}] {e.key[:110]}")
+    groups: dict[str, float] = {}
+    for e in kernels:
+        groups[kernel_group(e.key)] = groups.get(kernel_group(e.key), 0.0) + self_us(e)
+    for group, us in sorted(groups.items(), key=lambda kv: -kv[1]):
+        bench.figure(f"profile_{group.split()[0].split('/')[0]}_ms", us / 1e3 / steps, f"{100 * us / total:.1f}%")

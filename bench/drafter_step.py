@@ -50,6 +50,10 @@ def parse(argv=None):
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the drafter (default: on for CUDA, off on CPU)")
     p.add_argument("--chunk-tokens", type=int, default=2048, help="lm_head/CE chunk rows (loss.chunk_tokens)")
+    p.add_argument("--compile-loss", action=argparse.BooleanOptionalAction, default=None,
+                   help="fuse the loss passes with torch.compile (default: as --compile)")
+    p.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                   help="after timing, profile STEPS steps and print the kernels that take the time")
     p.add_argument("--steps", type=int, help="timed steps (default 10; 3 with --small)")
     p.add_argument("--warmup", type=int, help="warm-up steps, compile included (default 3; 1 with --small)")
     p.add_argument("--attn-ratio", action=argparse.BooleanOptionalAction, default=None,
@@ -154,6 +158,9 @@ def main(argv=None) -> int:
         if compiled:
             with b.phase("compile health"):
                 C.check_compile_health(b, health, st, expect_compiled_flex=backend == "flex")
+        if a.profile:
+            with b.phase("profile"):
+                C.profile_steps(b, step, a.profile, device)
 
     # free the training state before the attention micro-benchmark (the eager path is memory-hungry)
     mb, tcfg, dcfg = st.get("mb"), st.get("tcfg"), st.get("dcfg")
@@ -183,7 +190,9 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
     drafter = C.random_drafter(dcfg, device)
     embed, lm_head = C.frozen_embeddings(tcfg.vocab_size, tcfg.hidden_size, device, taps_dtype)
     mb = C.synthetic_microbatch(rows, S, N, tcfg.vocab_size, dcfg.num_taps * dcfg.hidden_size, taps_dtype, device)
-    ctx = C.step_context(dcfg, embed, lm_head, device, backend, a.chunk_tokens)
+    compile_loss = compiled if a.compile_loss is None else a.compile_loss
+    b.info["compile_loss"] = compile_loss
+    ctx = C.step_context(dcfg, embed, lm_head, device, backend, a.chunk_tokens, compile_loss=compile_loss)
     optimizer, scheduler = build_optimizer(drafter.parameters(), OptimConfig(), 1000, fused=device.type == "cuda")
     model = parallelize(drafter, device=device, compile_model=compiled, dp_group=None, num_drafters=1)
     flops = C.flops_for(tcfg, dcfg, seq_len=S, num_anchors=N, batch=rows, mean_ctx=C.mean_context(mb))

@@ -146,8 +146,14 @@ def main(argv=None) -> int:
             from dflash_train.model.target import Target, build_target_layer_ids
 
             layer_ids = build_target_layer_ids(tcfg.num_hidden_layers, 5)
-            target = TimedTarget(Target(model=C.random_target(tcfg, device, dtype), tokenizer=None), device)
-            b.log(f"target {tcfg.num_hidden_layers} layers, taps {layer_ids}, {dtype}")
+            from dflash_train.train.parallel import resolve_compile
+
+            inner = Target(model=C.random_target(tcfg, device, dtype), tokenizer=None)
+            compile_target = a.compile if a.compile is not None else resolve_compile("auto", device)
+            if compile_target:
+                inner.compile_layers()  # as the trainer's target ranks do
+            target = TimedTarget(inner, device)
+            b.log(f"target {tcfg.num_hidden_layers} layers, taps {layer_ids}, {dtype}, compiled layers {compile_target}")
         fail_fast(b, "build target")
         with b.phase("serve taps"):
             t0 = time.perf_counter()
@@ -186,7 +192,8 @@ def main(argv=None) -> int:
         dcfg = C.drafter_config(tcfg, layers=a.layers, block_size=B, small=a.small)
         drafter = C.random_drafter(dcfg, device)
         embed, lm_head = C.frozen_embeddings(tcfg.vocab_size, tcfg.hidden_size, device, dtype)
-        ctx = C.step_context(dcfg, embed, lm_head, device, attn, a.chunk_tokens, dp_group=dp_group, num_drafters=1)
+        ctx = C.step_context(dcfg, embed, lm_head, device, attn, a.chunk_tokens, dp_group=dp_group, num_drafters=1,
+                             compile_loss=compiled)
         optimizer, scheduler = build_optimizer(drafter.parameters(), OptimConfig(), 1000, fused=device.type == "cuda")
         model = parallelize(drafter, device=device, compile_model=compiled, dp_group=dp_group, num_drafters=1)
         source = RemoteSource(samples, sampler, plan, topo, collate_fn, dcfg.num_taps * dcfg.hidden_size, dtype,

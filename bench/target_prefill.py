@@ -35,6 +35,10 @@ def parse(argv=None):
     p.add_argument("--warmup", type=int, help="warm-up forwards (default 2; 1 with --small)")
     p.add_argument("--full", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the whole decoder, for the saving of stopping after the last tap")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="compile the decoder layers as training does (default: on CUDA)")
+    p.add_argument("--profile", type=int, default=0, metavar="FORWARDS",
+                   help="after timing, profile FORWARDS tapped forwards and print the kernels that take the time")
     p.add_argument("--json", help="write the figures to this JSON file")
     a = p.parse_args(argv)
     a.batch = a.batch or (2 if a.small else 4)
@@ -60,6 +64,10 @@ def main(argv=None) -> int:
         layer_ids = ([int(x) for x in a.taps.split(",")] if a.taps
                      else build_target_layer_ids(cfg.num_hidden_layers, 5))
         target = Target(model=C.random_target(cfg, device, dtype), tokenizer=None, name="random-qwen3")
+        compiled = a.compile if a.compile is not None else device.type == "cuda"
+        if compiled:
+            target.compile_layers()  # as the trainer does for a target that computes taps every step
+        b.info["compiled"] = compiled
         ids = C.synthetic_ids(a.batch, a.seq_len, cfg.vocab_size, seed=0).to(device)
         mask = torch.ones_like(ids)
         from bench.flops import dflash_flops
@@ -97,6 +105,8 @@ def main(argv=None) -> int:
             if not torch.isfinite(out.float()).all():
                 raise FloatingPointError("non-finite taps")
             st.pop("out")
+            health = C.compile_health_module() if b.info["compiled"] else None
+            st["counters_before"], st["health_before"] = C.compile_counters(), C.health_snapshot(health)
 
         with b.phase("timing (stop after last tap)"):
             C.reset_peak_memory(device)
@@ -112,6 +122,10 @@ def main(argv=None) -> int:
                 b.figure("mfu_vs_790", st["flops"]["tapped"] / med / (C.ISSUE_PEAK_TFLOPS * 1e12))
                 b.figure("peak_memory_gib", C.peak_memory_gib(device))
             st["taps_s"] = med
+            st["counters_after"], st["health_after"] = C.compile_counters(), C.health_snapshot(health)
+        if b.info["compiled"]:
+            with b.phase("compile health"):
+                C.check_compile_health(b, health, st, expect_compiled_flex=False)
 
         if a.full:
             with b.phase("timing (whole decoder)"):
@@ -122,6 +136,11 @@ def main(argv=None) -> int:
                 if "taps_s" in st:
                     b.figure("stop_early_saving", 1 - st["taps_s"] / full,
                              f"expected from FLOPs {1 - st['flops']['tapped'] / st['flops']['full_decoder']:.3f}")
+
+    if a.profile and b.ok("build"):
+        with b.phase("profile"):
+            C.profile_steps(b, taps(), a.profile, device)
+            st.pop("out", None)
 
     f = b.figures
     parts = []

@@ -265,6 +265,23 @@ class Target:
             return taps, out.last_hidden_state
         return taps
 
+    def compile_layers(self) -> None:
+        """Compile each decoder layer's `forward` (not its `__call__`): the tap hooks, which stop the
+        forward by raising, stay outside the compiled frames. The layers share one code object and
+        dynamo inlines nn.Modules (guards on shapes, not identities), so one graph serves every
+        layer of a shape. On an H200 the eager norms, RoPE and SwiGLU were a third of a prefill's
+        device time (docs/PERF.md). Static shapes: for training taps, not for generation.
+        An HF call with output_hidden_states/output_attentions installs capture hooks on the
+        attention modules that dynamo cannot trace (a graph break per layer, reported by the
+        compile-health check): the trainer never makes one on the target it compiles."""
+        for layer in self.layers:
+            layer.forward = torch.compile(layer.forward, dynamic=False)
+
+    def eager_layers(self) -> None:
+        """Undo `compile_layers` (generation and evaluation run eager: their shapes change each step)."""
+        for layer in self.layers:
+            layer.__dict__.pop("forward", None)
+
     def _record_hook(self, layer_id: int, recorded: dict, stop: bool):
         def hook(module, args, output):
             hidden = output[0] if isinstance(output, tuple) else output  # (b, S, H)

@@ -30,7 +30,7 @@ from dflash_train.train.optim import build_optimizer
 from dflash_train.train.parallel import parallelize, resolve_backend, resolve_compile, use_shared_compile_cache
 from dflash_train.train.sources import (CollateArgs, ColocatedSource, RemoteSource, StoredTapsSource, compute_taps,
                                         serve_taps)
-from dflash_train.train.step import StepContext, forward_stats, reduce_stats, train_step
+from dflash_train.train.step import StepContext, forward_stats, reduce_stats, to_device, train_step
 from dflash_train.train.topology import init_distributed, pick_device, topology_from_env
 
 PAD_MULTIPLE = 64  # uncompiled runs pad lengths to this multiple; compiled runs pad to max_len (static)
@@ -157,6 +157,8 @@ def _prepare(run: Run) -> Run:
     run.total_steps = setup.total_steps_of(cfg, run.sampler.steps_per_epoch)
     run.backend = resolve_backend(cfg.train.attention, run.device)
     run.compiled = resolve_compile(cfg.train.compile, run.device)
+    if run.compiled and run.stored_taps is None and topo.runs_target_forward:
+        run.target.compile_layers()  # the target computes taps every step: fuse its elementwise work
     pad_multiple = cfg.data.max_len if run.compiled else PAD_MULTIPLE
     run.collate_fn = CollateArgs(cfg.train.seed, cfg.train.num_anchors, pad_multiple, cfg.data.max_len)
     run.eval_mbs = setup.eval_batches(run.held_out, cfg.eval.sim_anchors_per_seq, pad_multiple, cfg.data.max_len)
@@ -174,18 +176,21 @@ def _serve(run: Run) -> dict:
     """A target rank: compute and send the taps of every micro-batch routed to it."""
     cfg, topo = run.cfg, run.topo
     timer = ComputeTimer(run.device)
+    done = 0
 
     def on_timer(k: int, event: str, sequences: int) -> None:
         if balance.in_window(k):
             timer.start() if event == "start" else timer.stop(sequences)
 
+    health = CompileHealthWatch(run.compiled, False, 0, run.log)
+
     def on_step(k: int) -> None:
         run.watchdog.timeout_s = cfg.train.watchdog_seconds
         inject_fault(topo.rank, k)
+        health.after_step(k, last=k == run.total_steps - done)
         if _balance_due(run, k):
             balance.share_and_report("target", timer.seconds_per_sequence(), topo, run.log)
 
-    done = 0
     if run.resume is not None:
         run.sampler.load_state_dict(run.resume[1]["data"])
         done = run.resume[1]["train"]["step"]
@@ -223,7 +228,7 @@ def _step_context(run: Run) -> StepContext:
                        sliding_window=run.dcfg.sliding_window, gamma=setup.gamma_of(run.cfg),
                        chunk_tokens=run.cfg.loss.chunk_tokens, backend=run.backend, device=run.device,
                        autocast_dtype=torch.bfloat16 if cuda else None, dp_group=run.dp_group,
-                       num_drafters=run.topo.num_drafters)
+                       num_drafters=run.topo.num_drafters, compile_loss=run.compiled)
 
 
 def _train_drafter(run: Run) -> dict:
@@ -340,6 +345,7 @@ def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log) ->
     from dflash_train.eval.evaluate import evaluate
 
     drafter = load_zlab(drafter_dir, device=target.device, dtype=target.dtype)
+    target.eager_layers()  # decoding shapes change every step
     report = evaluate(drafter, target, _eval_prompt_sets(cfg), max_new_tokens=cfg.eval.max_new_tokens,
                       temperature=cfg.eval.temperature, thinking=cfg.data.thinking, seed=cfg.train.seed,
                       out_dir=out_dir / "eval")
@@ -380,13 +386,14 @@ class CompileHealthWatch:
 
 def simulated_tau(drafter, eval_mbs, ctx: StepContext) -> dict:
     """Greedy acceptance on held-out data at fixed anchors, with the uncompiled drafter and the
-    SDPA path (eval shapes differ from training shapes; no recompiles of the training graph)."""
-    eval_ctx = dataclasses.replace(ctx, backend="sdpa", num_drafters=1)
+    SDPA path and the eager loss (eval shapes differ from training shapes; no recompiles of the
+    training graphs)."""
+    eval_ctx = dataclasses.replace(ctx, backend="sdpa", num_drafters=1, compile_loss=False)
     total = None
     drafter.eval()
     with torch.no_grad():
         for mb in eval_mbs:
-            batch = {k: getattr(mb, k).to(ctx.device) for k in ("input_ids", "loss_mask", "anchors", "keep", "taps")}
+            batch = to_device(mb, ctx.device)
             s = forward_stats(drafter, batch, eval_ctx)
             total = s if total is None else LossStats(**{k: getattr(total, k) + v for k, v in vars(s).items()})
     drafter.train()

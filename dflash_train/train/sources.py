@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_train.train.batching import BatchPlan, MicroBatch, Sample, StepSampler, collate
+from dflash_train.train.step import host_to_device
 from dflash_train.train.topology import Topology
 
 
@@ -33,7 +34,7 @@ class CollateArgs:
 def compute_taps(target, layer_ids, mb: MicroBatch, device) -> torch.Tensor:
     """Taps [b, S, K*H] of one micro-batch, contiguous, in the target's dtype."""
     with torch.no_grad():
-        taps = target.taps(mb.input_ids.to(device), mb.attention_mask.to(device), layer_ids)
+        taps = target.taps(host_to_device(mb.input_ids, device), host_to_device(mb.attention_mask, device), layer_ids)
     return taps.contiguous()
 
 

@@ -38,11 +38,20 @@ class StepContext:
     autocast_dtype: torch.dtype | None  # bf16 on GPU; None on CPU (fp32)
     dp_group: object = None  # drafter process group; None for one drafter
     num_drafters: int = 1
+    compile_loss: bool = False  # fuse the lm_head/softmax passes with torch.compile (compiled runs)
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy without a stream sync: a copy from pageable host memory waits for the GPU to drain
+    (CUDA stages it), which left the GPU idle at the start of every step; pinned + non_blocking
+    does not wait."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def to_device(mb: MicroBatch, device) -> dict:
-    return {k: getattr(mb, k).to(device, non_blocking=True)
-            for k in ("input_ids", "loss_mask", "anchors", "keep", "taps")}
+    return {k: host_to_device(getattr(mb, k), device) for k in ("input_ids", "loss_mask", "anchors", "keep", "taps")}
 
 
 def loss_weight_sum(mb: MicroBatch, ctx: StepContext) -> torch.Tensor:
@@ -65,11 +74,12 @@ def forward_stats(model, batch: dict, ctx: StepContext) -> LossStats:
                 else contextlib.nullcontext())
     with autocast:
         hidden = model(block_embeds, taps, position_ids(seq_len, anchors, ctx.block_size), masks, ctx.backend)
-        return block_loss(hidden, ctx.lm_head_weight, labels, valid, ctx.gamma, ctx.chunk_tokens)
+        return block_loss(hidden, ctx.lm_head_weight, labels, valid, ctx.gamma, ctx.chunk_tokens,
+                          compiled=ctx.compile_loss)
 
 
 def global_weight_sum(mbs: list[MicroBatch], ctx: StepContext) -> torch.Tensor:
-    total = sum(loss_weight_sum(mb, ctx) for mb in mbs).to(ctx.device)
+    total = host_to_device(sum(loss_weight_sum(mb, ctx) for mb in mbs), ctx.device)
     if ctx.num_drafters > 1:
         dist.all_reduce(total, group=ctx.dp_group)
     return total

@@ -42,6 +42,34 @@ def test_taps_equal_hf_hidden_states(tiny):
         torch.testing.assert_close(got[1, :9], ref[1, :9], rtol=0, atol=0)
 
 
+def test_compiled_layers_give_the_same_taps_with_one_graph():
+    """`compile_layers` (training taps on GPU) against the HF reference; the layers share one
+    graph, the stop-after-last-tap hook still stops the forward, and `eager_layers` undoes it."""
+    from torch._dynamo.utils import counters
+
+    target = Target(model=tiny_qwen3(vocab_size=300, seed=2), tokenizer=None, name="tiny")
+    ids = torch.randint(0, 300, (2, 12), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    # the reference runs on an identical copy: HF's output_hidden_states installs capture hooks on
+    # the attention modules that a compiled layer could not trace (a graph break per layer)
+    ref, _ = _reference(tiny_qwen3(vocab_size=300, seed=2), ids, mask, [1, 3])
+    torch._dynamo.reset()
+    counters.clear()
+    target.compile_layers()
+    ran = []
+    hooks = [layer.register_forward_hook(lambda m, a, o, i=i: ran.append(i)) for i, layer in enumerate(target.layers)]
+    try:
+        got = target.taps(ids, mask, [1, 3])
+    finally:
+        for h in hooks:
+            h.remove()
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert ran == [0, 1, 2, 3]  # stopped after layer 3 of 6
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    target.eager_layers()
+    assert all("forward" not in layer.__dict__ for layer in target.layers)
+
+
 def test_left_padding_matches_unpadded(tiny):
     ids = torch.randint(0, 300, (1, 7), generator=torch.Generator().manual_seed(1))
     padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), ids], dim=1)
