@@ -145,7 +145,7 @@ def stage_compile(params: dict) -> dict:
                       r["health_error"].replace("\n", " "), **r)
     figure += f"; healthy after warm-up: {r['health']}"
     if r["mask_error"] and device.startswith("cuda"):
-        return result("FAIL", figure, "training on CUDA builds masks with the compiled flex_block_mask: "
+        return result("FAIL", figure, "training on CUDA builds sliding-window masks with the compiled flex_block_mask: "
                       "fix dflash_train.model.attention.mask_rule for this torch", **r)
     if r["mask_error"]:
         return result("WARN", figure, "CPU training uses sdpa (dense mask), so only a GPU run needs the "

@@ -92,12 +92,17 @@ def _compiled_create_block_mask():
     return torch.compile(create_block_mask)
 
 
-def flex_block_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, compiled: bool = True):
+def flex_block_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, compiled: bool = True,
+                    analytic: bool = True):
     """flex_attention BlockMask for the rules above, head-independent (H=None).
 
-    `compiled=True` builds it with a compiled `create_block_mask`, which never materialises the
-    dense Q x KV grid (the uncompiled builder does: 7 GB at 24K x 28K, speculators #731).
+    Full-attention masks are built by `analytic_block_mask` (exact tile classes from the anchors,
+    no compile). Otherwise `create_block_mask` evaluates `mask_rule`; `compiled=True` compiles it,
+    which never materialises the dense Q x KV grid (the uncompiled builder does: 7 GB at
+    24K x 28K, speculators #731) but costs ~2.5 min of cold compile on an H200.
     """
+    if analytic and spec.sliding_window is None:
+        return analytic_block_mask(spec, anchors, keep)
     from torch.nn.attention.flex_attention import create_block_mask
 
     def mask_mod(b, h, q, kv):
@@ -106,6 +111,56 @@ def flex_block_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, c
     build = _compiled_create_block_mask() if compiled else create_block_mask
     return build(mask_mod, B=anchors.shape[0], H=None, Q_LEN=spec.q_len, KV_LEN=spec.kv_len,
                  device=anchors.device)
+
+
+def _visible_per_tile(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, tile: int) -> torch.Tensor:
+    """Visible (query, key) pairs per (query tile, key tile): [batch, Q tiles, KV tiles].
+
+    Under full attention query q of block j sees two key intervals: context [0, a_j) when kept
+    (rules 1, 5) and its own block [S + j*B, S + (j+1)*B) (rules 2, 3). Per query and key tile the
+    count is the overlap of those intervals with the tile; [batch, Q, KV tiles] stays small
+    (0.7M entries at the paper's shapes against 92M for the dense grid). Like create_block_mask,
+    rows padded up to a whole tile count as the last block (mask_rule clamps them) and keys past
+    the end as invisible."""
+    S, B = spec.context_len, spec.block_size
+    device = anchors.device
+    q_tiles, kv_tiles = -(-spec.q_len // tile), -(-spec.kv_len // tile)
+    block = (torch.arange(q_tiles * tile, device=device) // B).clamp(max=spec.num_anchors - 1)  # [Qp]
+    ctx_end = torch.where(keep, anchors.clamp(max=S), 0)[:, block]  # [b, Qp]
+    tile_lo = torch.arange(kv_tiles, device=device) * tile
+    tile_hi = (tile_lo + tile).clamp(max=spec.kv_len)  # [T]
+
+    def overlap(lo, hi):  # [b|1, Qp] intervals against every tile -> [b|1, Qp, T]
+        return (torch.minimum(hi[..., None], tile_hi) - torch.maximum(lo[..., None], tile_lo)).clamp(min=0)
+
+    own = S + block * B  # [Qp]
+    count = overlap(torch.zeros_like(ctx_end), ctx_end) + overlap(own[None], own[None] + B)  # [b, Qp, T]
+    return count.view(count.shape[0], q_tiles, tile, kv_tiles).sum(2)  # [b, Q tiles, T]
+
+
+def analytic_block_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, tile: int = 128):
+    """The full-attention BlockMask straight from the anchors: a tile is full when every (query,
+    key) pair in it is visible, partial when some are (mask_mod decides per element), skipped
+    otherwise. Same tiles as `create_block_mask` (tests), with no compile and no dense grid."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    if spec.sliding_window is not None:
+        raise ValueError("analytic_block_mask covers full attention; sliding windows use create_block_mask")
+    count = _visible_per_tile(spec, anchors, keep, tile)  # [b, Qt, T]
+    full = count == tile * tile
+    partial = (count > 0) & ~full
+
+    def listed(selected: torch.Tensor):  # [b, Qt, T] -> counts [b, 1, Qt], indices [b, 1, Qt, T]
+        order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True)  # selected tiles first
+        return selected.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
+
+    def mask_mod(b, h, q, kv):
+        return mask_rule(spec, anchors, keep, b, q, kv)
+
+    kv_num, kv_idx = listed(partial)
+    full_num, full_idx = listed(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mask_mod,
+                                    seq_lengths=(spec.q_len, spec.kv_len))
 
 
 def build_training_masks(spec: MaskSpec, layer_types: tuple[str, ...], anchors: torch.Tensor,

@@ -89,3 +89,27 @@ def test_flex_block_mask_matches_dense():
     q_idx = torch.arange(spec.q_len)[:, None]
     kv_idx = torch.arange(spec.kv_len)[None, :]
     assert torch.equal(block_mask.mask_mod(b, b, q_idx, kv_idx), dense)
+
+
+@pytest.mark.parametrize("context_len,block,anchors_n,tile", [(64, 4, 8, 8), (37, 4, 5, 8), (48, 8, 6, 16), (30, 3, 7, 8)])
+def test_analytic_block_mask_has_the_tiles_of_create_block_mask(context_len, block, anchors_n, tile):
+    """Full and partial tile sets per query tile equal those of flex's create_block_mask (which
+    evaluates mask_rule on every element), aligned and unaligned lengths, padded anchors."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dflash_train.model.attention import analytic_block_mask, mask_rule
+
+    gen = torch.Generator().manual_seed(context_len)
+    spec = MaskSpec(context_len=context_len, block_size=block, num_anchors=anchors_n)
+    anchors, keep = random_anchors(2, context_len, anchors_n, [anchors_n - 1, anchors_n - 3], gen)
+    ours = analytic_block_mask(spec, anchors, keep, tile=tile)
+    ref = create_block_mask(lambda b, h, q, kv: mask_rule(spec, anchors, keep, b, q, kv), B=2, H=None,
+                            Q_LEN=spec.q_len, KV_LEN=spec.kv_len, device="cpu", BLOCK_SIZE=tile)
+
+    def tile_sets(num, idx):
+        return [[set(idx[b, 0, i, :num[b, 0, i]].tolist()) for i in range(num.shape[-1])] for b in range(2)]
+
+    assert tile_sets(ours.kv_num_blocks, ours.kv_indices) == tile_sets(ref.kv_num_blocks, ref.kv_indices)
+    assert tile_sets(ours.full_kv_num_blocks, ours.full_kv_indices) == \
+        tile_sets(ref.full_kv_num_blocks, ref.full_kv_indices)
+    assert torch.equal(ours.to_dense(), ref.to_dense())
