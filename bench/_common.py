@@ -435,8 +435,26 @@ def profile_steps(bench: Bench, step, steps: int, device: torch.device, rows: in
     for e in kernels[:rows]:
         bench.log(f"  {self_us(e) / 1e3 / steps:8.2f} ms {100 * self_us(e) / total:5.1f}% "
                   f"{e.count / steps:6.1f}x  [{kernel_group(e.key)}] {e.key[:110]}")
+    if on_device:
+        _log_host_side(bench, events, steps)
     groups: dict[str, float] = {}
     for e in kernels:
         groups[kernel_group(e.key)] = groups.get(kernel_group(e.key), 0.0) + self_us(e)
     for group, us in sorted(groups.items(), key=lambda kv: -kv[1]):
         bench.figure(f"profile_{group.split()[0].split('/')[0]}_ms", us / 1e3 / steps, f"{100 * us / total:.1f}%")
+
+
+HOST_SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::_local_scalar_dense",
+              "cudaMemcpy ", "cudaMemcpyAsync", "cudaHostAlloc")
+
+
+def _log_host_side(bench: Bench, events, steps: int, rows: int = 12) -> None:
+    """The host side of a profiled CUDA step: calls that can stall the host on the GPU (syncs,
+    .item(), copies), then the ops that take the most host time."""
+    for e in events:
+        if any(e.key.startswith(k.strip()) for k in HOST_SYNCS):
+            bench.log(f"  host: {e.key[:60]} x{e.count / steps:.1f}/step, {e.self_cpu_time_total / 1e3 / steps:.2f} ms/step")
+    host = sorted((e for e in events if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
+    bench.log(f"host time per step {sum(e.self_cpu_time_total for e in host) / 1e3 / steps:.1f} ms; top ops:")
+    for e in host[:rows]:
+        bench.log(f"  host {e.self_cpu_time_total / 1e3 / steps:7.2f} ms x{e.count / steps:6.1f}  {e.key[:100]}")
