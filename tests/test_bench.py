@@ -19,10 +19,11 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 CASES = {
     "flops": ([sys.executable, "bench/flops.py"],
               ["drafter_train_tflop", "target_tapped_tflop", "visible_fraction"]),
-    "drafter_step": ([sys.executable, "bench/drafter_step.py"],
+    "drafter_step": ([sys.executable, "bench/drafter_step.py", "--profile", "1"],
                      ["tokens_per_s", "step_time_median_s", "mfu", "matmul_peak_tflops", "tflop_per_step"]),
-    "target_prefill": ([sys.executable, "bench/target_prefill.py"],
+    "target_prefill": ([sys.executable, "bench/target_prefill.py", "--profile", "1"],
                        ["tokens_per_s", "prefill_s", "mfu", "full_decoder_s"]),
+    "flex_tune": ([sys.executable, "bench/flex_tune.py", "--reps", "2"], ["variant0_ms"]),
     "pipeline": (TORCHRUN + ["bench/pipeline.py"],
                  ["tokens_per_s", "drafter_busy_fraction", "target_busy_fraction", "drafter_capacity_tok_s",
                   "target_capacity_tok_s"]),
