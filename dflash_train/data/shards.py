@@ -271,6 +271,7 @@ class ShardReader:
             for i in range(len(self.index["shards"])):
                 self._verify(i)
         self._handles: dict[int, object] = {}
+        self._ids: dict[int, list[str]] = {}
         self._samples = self._sample_table()  # (shard, row start, row end, position in shard)
         self.epoch, self.position = 0, 0
 
@@ -311,17 +312,29 @@ class ShardReader:
         """Samples this rank yields per epoch."""
         return len(self._samples) // self.world
 
-    def sample(self, i: int) -> dict:
+    def _sample_ids(self, shard: int) -> list[str]:
+        if shard not in self._ids:
+            self._ids[shard] = json.loads(self._handle(shard).metadata()["sample_ids"])
+        return self._ids[shard]
+
+    def tokens(self, i: int) -> dict:
+        """`{"id", "input_ids", "loss_mask"}` of sample i without its taps: what a trainer needs to
+        plan batches, read without touching the taps (shards are mostly taps) or hashing the shard.
+        The checksum is still checked before the shard's first taps are read."""
         shard, a, b, j = self._samples[i]
+        f = self._handle(shard)
+        return {"id": self._sample_ids(shard)[j], "input_ids": f.get_slice("input_ids")[a:b].long(),
+                "loss_mask": f.get_slice("loss_mask")[a:b]}
+
+    def sample(self, i: int) -> dict:
+        shard, a, b, _ = self._samples[i]
         if shard not in self._verified:
             self._verify(shard)
         f = self._handle(shard)
         taps = f.get_slice("taps")[a:b]  # (n, K*H)
         if taps.dtype == torch.float8_e4m3fn:
             taps = dequantize_fp8(taps, f.get_slice("taps_scale")[a:b], self.dtype)
-        sample_ids = json.loads(f.metadata()["sample_ids"])
-        return {"id": sample_ids[j], "input_ids": f.get_slice("input_ids")[a:b].long(),
-                "loss_mask": f.get_slice("loss_mask")[a:b], "taps": taps.to(self.dtype)}
+        return {**self.tokens(i), "taps": taps.to(self.dtype)}
 
     def __iter__(self):
         order = self._order(self.epoch)

@@ -117,7 +117,7 @@ def samples_from_shards(cfg: RunConfig, layer_ids: list[int], log):
                          f"drafter's target_layer_ids {list(layer_ids)}; set target.layer_ids to match")
     split = {"train": ([], []), "held_out": ([], [])}
     for i in range(len(reader)):
-        row = reader.sample(i)
+        row = reader.tokens(i)  # ids and masks only: the taps stay on disk until a step reads them
         sample = Sample(row["id"], tuple(row["input_ids"].tolist()), tuple(row["loss_mask"].tolist()))
         part = split["held_out" if _is_heldout(sample.id, cfg.data.eval_fraction) else "train"]
         part[0].append(sample)

@@ -123,6 +123,12 @@ def test_checksum_mismatch_names_the_shard(tmp_path, target):
         ShardReader(tmp_path, verify="open")
     with pytest.raises(ValueError, match="shard-00001.safetensors"):
         list(ShardReader(tmp_path, verify="lazy"))
+    # planning reads ids and masks only (no hashing, no taps); the first taps read still checks
+    lazy = ShardReader(tmp_path, verify="lazy")
+    tokens = [lazy.tokens(i) for i in range(len(lazy))]
+    assert sorted(t["id"] for t in tokens) == sorted(s.id for s in _samples(8)) and not lazy._verified
+    with pytest.raises(ValueError, match="shard-00001.safetensors"):
+        [lazy.sample(i) for i in range(len(lazy))]
 
 
 def test_disk_space_check_refuses(tmp_path):
