@@ -21,7 +21,7 @@ class ComputeTimer:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
         self.events: list = []
-        self.host_seconds = 0.0
+        self.counted_s = 0.0  # CPU: wall seconds; CUDA: seconds of finished event pairs folded in
         self.sequences = 0
         self._start = None
 
@@ -38,16 +38,22 @@ class ComputeTimer:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
             self.events.append((self._start, end))
+            if len(self.events) > 64:  # a whole run would hold millions of events: fold finished ones
+                done = [(s, e) for s, e in self.events if e.query()]
+                self.counted_s += sum(s.elapsed_time(e) for s, e in done) / 1000.0
+                self.events = [pair for pair in self.events if pair not in done]
         else:
-            self.host_seconds += time.perf_counter() - self._start
+            self.counted_s += time.perf_counter() - self._start
 
-    def seconds_per_sequence(self) -> float:
+    def seconds(self) -> float:
+        """Compute time between start/stop pairs so far (waits for the GPU to reach the last stop)."""
         if self.cuda:
             torch.cuda.synchronize()
-            seconds = sum(s.elapsed_time(e) for s, e in self.events) / 1000.0
-        else:
-            seconds = self.host_seconds
-        return seconds / max(self.sequences, 1)
+            return self.counted_s + sum(s.elapsed_time(e) for s, e in self.events) / 1000.0
+        return self.counted_s
+
+    def seconds_per_sequence(self) -> float:
+        return self.seconds() / max(self.sequences, 1)
 
 
 def in_window(step: int) -> bool:

@@ -34,7 +34,8 @@ from dflash_train.train.step import StepContext, forward_stats, reduce_stats, to
 from dflash_train.train.topology import init_distributed, pick_device, topology_from_env
 
 PAD_MULTIPLE = 64  # uncompiled runs pad lengths to this multiple; compiled runs pad to max_len (static)
-HEALTH_WARMUP_STEPS, HEALTH_CHECK_STEPS = 2, 2  # compile during the first, verify over the next
+HEALTH_WARMUP_STEPS, HEALTH_CHECK_STEPS = 2, 2
+AGREE_EVERY = 4  # several drafter ranks agree on stopping (signal, time budget) every this many steps  # compile during the first, verify over the next
 SETUP_WATCHDOG_S = 1800.0  # loading, data preparation and the first (compiling) step beat rarely
 FAULT_ENV = "DFLASH_INJECT_FAULT"  # "raise|hang:rank=R:step=S", for testing failure handling
 
@@ -296,7 +297,7 @@ def _loop(run: Run, drafter, model, ctx, optimizer, scheduler, source, state: di
         state["tokens"] += step_tokens
         interval_tokens += step_tokens
         out_of_time = bool(cfg.train.max_minutes) and time.perf_counter() - budget_start > 60 * cfg.train.max_minutes
-        stopping = _agree(run.stop() or out_of_time, ctx)
+        stopping = _agree(run.stop() or out_of_time, ctx, step)
         if step % cfg.train.log_every == 0 or last or stopping:
             rate = interval_tokens / max(time.perf_counter() - interval_start, 1e-9)
             _log_step(metrics, _train_record(step, epoch, reduce_stats(stats, ctx, run.dcfg.block_size), grad_norm,
@@ -411,10 +412,13 @@ def _fmt(values) -> str:
     return "[" + " ".join(f"{v:.2f}" for v in values) + "]"
 
 
-def _agree(flag: bool, ctx: StepContext) -> bool:
-    """All drafter ranks stop at the same step (one tiny all-reduce when there are several)."""
+def _agree(flag: bool, ctx: StepContext, step: int) -> bool:
+    """All drafter ranks stop at the same step. With several, they compare flags every
+    AGREE_EVERY steps only: the all-reduce's `.item()` makes the host wait for the GPU."""
     if ctx.num_drafters == 1:
         return flag
+    if step % AGREE_EVERY:
+        return False
     t = torch.tensor([1.0 if flag else 0.0], device=ctx.device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.dp_group)
     return bool(t.item())

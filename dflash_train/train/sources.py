@@ -18,6 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from dflash_train.train.balance import ComputeTimer
 from dflash_train.train.batching import BatchPlan, MicroBatch, Sample, StepSampler, collate
 from dflash_train.train.step import host_to_device
 from dflash_train.train.topology import Topology
@@ -144,7 +145,8 @@ def serve_taps(target, layer_ids, samples, sampler: StepSampler, plan: BatchPlan
     """Target rank loop: for each step, the micro-batches routed here (i % T == this rank)."""
     pending: collections.deque = collections.deque()
     me = topo.target_ranks.index(topo.rank)
-    busy = wait = 0.0
+    busy = ComputeTimer(device)  # CUDA events: timing must not make the host wait for the GPU
+    wait = 0.0
     sent_bytes = 0
     for k in range(num_steps):
         if stop_requested is not None and stop_requested():
@@ -154,15 +156,15 @@ def serve_taps(target, layer_ids, samples, sampler: StepSampler, plan: BatchPlan
             if i % len(topo.target_ranks) != me:
                 continue
             mb = collate_fn([samples[j] for j in mb_indices], epoch)
-            start = time.perf_counter()
+            busy.start()
             if timer is not None:
                 timer(k + 1, "start", 0)
             taps = compute_taps(target, layer_ids, mb, device)
             if timer is not None:
                 timer(k + 1, "stop", len(mb_indices))
-            if device.type == "cuda":
-                torch.cuda.current_stream().synchronize()  # the send must see finished taps
-            busy += time.perf_counter() - start
+            busy.stop(len(mb_indices))
+            # no stream sync: ProcessGroupNCCL makes its stream wait for this one before the send,
+            # so the host goes on to collate and launch the next forward while this one runs
             pending.append((dist.isend(taps, dst=topo.drafter_ranks[i // plan.accum]), taps))
             sent_bytes += taps.numel() * taps.element_size()
             start = time.perf_counter()
@@ -175,4 +177,4 @@ def serve_taps(target, layer_ids, samples, sampler: StepSampler, plan: BatchPlan
             on_step(k + 1)
     while pending:
         pending.popleft()[0].wait()
-    return {"busy_s": busy, "wait_s": wait, "sent_bytes": sent_bytes}
+    return {"busy_s": busy.seconds(), "wait_s": wait, "sent_bytes": sent_bytes}
