@@ -39,17 +39,22 @@ def make_case(seed=0, b=2, n=3, block=5, hdim=8, vocab=11):
     return hidden, weight, labels, valid
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("kind", ["ce", "kl"])
-def test_loss_and_grad_equal_a_naive_loop(kind):
+def test_loss_and_grad_equal_a_naive_loop(kind, compiled):
+    """Eager and torch.compile'd chunks (the GPU training path; on the CPU here, float64) against
+    the naive loop; chunk 4 over 24 rows keeps one chunk shape, so one compiled graph."""
     hidden, weight, labels, valid = make_case()
     teacher = torch.randn(2, 3, 5, 8, dtype=torch.float64) if kind == "kl" else None
-    stats = block_loss(hidden, weight, labels, valid, gamma=2.0, chunk_tokens=4, teacher_hidden=teacher)
+    stats = block_loss(hidden, weight, labels, valid, gamma=2.0, chunk_tokens=4, teacher_hidden=teacher,
+                       compiled=compiled)
     loss = stats.loss_sum / stats.weight_sum
     (grad,) = torch.autograd.grad(loss, hidden)
     ref = naive_loss(hidden, weight, labels, valid, 2.0, teacher)
     (ref_grad,) = torch.autograd.grad(ref, hidden)
-    torch.testing.assert_close(loss, ref, atol=1e-12, rtol=1e-12)
-    torch.testing.assert_close(grad, ref_grad, atol=1e-12, rtol=1e-12)
+    tol = 1e-10 if compiled else 1e-12  # inductor may reorder the float64 sums
+    torch.testing.assert_close(loss, ref, atol=tol, rtol=tol)
+    torch.testing.assert_close(grad, ref_grad, atol=tol, rtol=tol)
 
 
 def test_chunked_equals_unchunked():
@@ -61,21 +66,6 @@ def test_chunked_equals_unchunked():
     ga, = torch.autograd.grad(a.sum(), hidden)
     gb, = torch.autograd.grad(b.sum(), hidden)
     torch.testing.assert_close(ga, gb)
-
-
-@pytest.mark.parametrize("kind", ["ce", "kl"])
-def test_compiled_loss_equals_the_naive_loop(kind):
-    """The torch.compile'd chunk (GPU training path) against the naive loop, float64 on the CPU;
-    chunk 4 over 2*3*4 = 24 rows: one graph per chunk shape, all chunks the same shape."""
-    hidden, weight, labels, valid = make_case(seed=2)
-    teacher = torch.randn(2, 3, 5, 8, dtype=torch.float64) if kind == "kl" else None
-    stats = block_loss(hidden, weight, labels, valid, gamma=2.0, chunk_tokens=4, teacher_hidden=teacher, compiled=True)
-    loss = stats.loss_sum / stats.weight_sum
-    (grad,) = torch.autograd.grad(loss, hidden)
-    ref = naive_loss(hidden, weight, labels, valid, 2.0, teacher)
-    (ref_grad,) = torch.autograd.grad(ref, hidden)
-    torch.testing.assert_close(loss, ref, atol=1e-10, rtol=1e-10)
-    torch.testing.assert_close(grad, ref_grad, atol=1e-10, rtol=1e-10)
 
 
 def test_stats_give_per_slot_accuracy_and_simulated_tau():
