@@ -217,19 +217,23 @@ def _taps_source(run: Run):
 
 def _step_context(run: Run) -> StepContext:
     cuda = run.device.type == "cuda"
+    lm_head = run.target.lm_head_weight.detach()
+    vocab = setup.train_vocab_of(run.cfg, run.train_samples, run.target.vocab_size, run.log)
     return StepContext(embed_weight=run.target.embed_weight.detach(),
-                       lm_head_weight=run.target.lm_head_weight.detach(), block_size=run.dcfg.block_size,
+                       lm_head_weight=lm_head, block_size=run.dcfg.block_size,
                        mask_token_id=run.dcfg.mask_token_id, layer_types=run.dcfg.layer_types,
                        sliding_window=run.dcfg.sliding_window, gamma=setup.gamma_of(run.cfg),
                        chunk_tokens=run.cfg.loss.chunk_tokens, backend=run.backend, device=run.device,
                        autocast_dtype=torch.bfloat16 if cuda else None, dp_group=run.dp_group,
-                       num_drafters=run.topo.num_drafters)
+                       num_drafters=run.topo.num_drafters, train_vocab=vocab,
+                       train_lm_head=vocab.restrict(lm_head) if vocab is not None else None)
 
 
 def _train_drafter(run: Run) -> dict:
     """A drafter rank: build, resume, then the loop; the main rank exports and evaluates."""
     cfg, topo, log = run.cfg, run.topo, run.log
-    drafter = setup.init_drafter(run.dcfg, run.target, cfg.train.seed, cfg.drafter.init_from_target, run.device)
+    drafter = setup.init_drafter(run.dcfg, run.target, cfg.train.seed, cfg.drafter.init_from_target, run.device,
+                                 cfg.drafter.init_norm_scale)
     ctx = _step_context(run)
     optimizer, scheduler = build_optimizer(drafter.parameters(), cfg.optim, run.total_steps,
                                            fused=run.device.type == "cuda")
@@ -301,7 +305,7 @@ def _loop(run: Run, drafter, model, ctx, optimizer, scheduler, source, state: di
         if topo.is_main and (step % cfg.train.eval_every == 0 or last or stopping):
             with watchdog.stage("held-out simulated tau"):
                 last_sim = simulated_tau(drafter, run.eval_mbs, ctx)
-            metrics.log({"step": step, "eval": last_sim})
+            metrics.log({"step": step, "seconds": round(time.perf_counter() - budget_start, 1), "eval": last_sim})
             metrics.write(f"step {step}: held-out simulated tau {last_sim['sim_tau']:.3f}, acc {_fmt(last_sim['acc'])}")
         if topo.is_main and (step % cfg.train.ckpt_every == 0 or last or stopping):
             with watchdog.stage("checkpoint"):
@@ -381,7 +385,7 @@ class CompileHealthWatch:
 def simulated_tau(drafter, eval_mbs, ctx: StepContext) -> dict:
     """Greedy acceptance on held-out data at fixed anchors, with the uncompiled drafter and the
     SDPA path (eval shapes differ from training shapes; no recompiles of the training graph)."""
-    eval_ctx = dataclasses.replace(ctx, backend="sdpa", num_drafters=1)
+    eval_ctx = dataclasses.replace(ctx, backend="sdpa", num_drafters=1, train_vocab=None, train_lm_head=None)
     total = None
     drafter.eval()
     with torch.no_grad():
