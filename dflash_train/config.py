@@ -106,7 +106,8 @@ class TrainConfig:
     epochs: int = 6
     max_steps: int | None = None
     max_minutes: float | None = None
-    """Wall-clock training budget; the run stops, evaluates and exports when it is spent."""
+    """Wall-clock training budget; the run stops, evaluates and exports when it is spent. The lr
+    cosine follows the time spent when that is further along than the steps (train/optim.py)."""
     num_anchors: int = 512
     seqs_per_step: int = 8
     """Global batch in sequences per optimizer step (over all drafter ranks and micro-batches)."""

@@ -26,7 +26,7 @@ from dflash_train.train.batching import BatchPlan, StepSampler
 from dflash_train.train.checkpoint import Checkpointer, provenance, rng_state, set_rng_state
 from dflash_train.train.loss import LossStats, summarize
 from dflash_train.train.metrics import MetricsLog
-from dflash_train.train.optim import build_optimizer
+from dflash_train.train.optim import TimeBudget, build_optimizer
 from dflash_train.train.parallel import parallelize, resolve_backend, resolve_compile, use_shared_compile_cache
 from dflash_train.train.sources import (CollateArgs, ColocatedSource, RemoteSource, StoredTapsSource, compute_taps,
                                         serve_taps)
@@ -235,8 +235,9 @@ def _train_drafter(run: Run) -> dict:
     drafter = setup.init_drafter(run.dcfg, run.target, cfg.train.seed, cfg.drafter.init_from_target, run.device,
                                  cfg.drafter.init_norm_scale)
     ctx = _step_context(run)
+    budget = TimeBudget(cfg.train.max_minutes)
     optimizer, scheduler = build_optimizer(drafter.parameters(), cfg.optim, run.total_steps,
-                                           fused=run.device.type == "cuda")
+                                           fused=run.device.type == "cuda", budget=budget)
     source = _taps_source(run)
     state = {"step": 0, "tokens": 0, "seconds": 0.0}
     if run.resume is not None:
@@ -248,7 +249,7 @@ def _train_drafter(run: Run) -> dict:
         log(setup.describe(cfg, run.dcfg, topo, len(run.train_samples), len(run.held_out), run.total_steps,
                            run.plan.accum, run.backend, run.compiled,
                            run.dcfg.num_taps * run.dcfg.hidden_size * run.target.dtype.itemsize))
-    last_sim = _loop(run, drafter, model, ctx, optimizer, scheduler, source, state)
+    last_sim = _loop(run, drafter, model, ctx, optimizer, scheduler, source, state, budget)
     result = {"role": "drafter", "steps": state["step"], "total_steps": run.total_steps, "tokens": state["tokens"],
               "sim": last_sim, "interrupted": run.stop.signal, "out_dir": str(run.out_dir)}
     if topo.is_main:
@@ -261,7 +262,7 @@ def _train_drafter(run: Run) -> dict:
     return _finish_distributed(topo, result)
 
 
-def _loop(run: Run, drafter, model, ctx, optimizer, scheduler, source, state: dict):
+def _loop(run: Run, drafter, model, ctx, optimizer, scheduler, source, state: dict, budget: TimeBudget):
     """The training loop: taps -> step -> log / held-out simulated tau / checkpoint. Returns the
     last held-out figures."""
     cfg, topo, watchdog = run.cfg, run.topo, run.watchdog
@@ -270,7 +271,8 @@ def _loop(run: Run, drafter, model, ctx, optimizer, scheduler, source, state: di
     timer = ComputeTimer(run.device)
     meta = {"config": cfg.to_dict(), "provenance": provenance(topo.world_size)}
     last_sim = None
-    interval_tokens, interval_start, budget_start = 0, time.perf_counter(), time.perf_counter()
+    interval_tokens, interval_start = 0, time.perf_counter()
+    budget.start()
     run.stop.deferring = True
     while state["step"] < run.total_steps:
         watchdog.beat("waiting for taps")
@@ -294,7 +296,7 @@ def _loop(run: Run, drafter, model, ctx, optimizer, scheduler, source, state: di
         step_tokens = sum(int(mb.attention_mask.sum()) for mb in mbs) * topo.num_drafters
         state["tokens"] += step_tokens
         interval_tokens += step_tokens
-        out_of_time = bool(cfg.train.max_minutes) and time.perf_counter() - budget_start > 60 * cfg.train.max_minutes
+        out_of_time = budget.spent()
         stopping = _agree(run.stop() or out_of_time, ctx)
         if step % cfg.train.log_every == 0 or last or stopping:
             rate = interval_tokens / max(time.perf_counter() - interval_start, 1e-9)
@@ -305,11 +307,11 @@ def _loop(run: Run, drafter, model, ctx, optimizer, scheduler, source, state: di
         if topo.is_main and (step % cfg.train.eval_every == 0 or last or stopping):
             with watchdog.stage("held-out simulated tau"):
                 last_sim = simulated_tau(drafter, run.eval_mbs, ctx)
-            metrics.log({"step": step, "seconds": round(time.perf_counter() - budget_start, 1), "eval": last_sim})
+            metrics.log({"step": step, "seconds": round(budget.elapsed(), 1), "eval": last_sim})
             metrics.write(f"step {step}: held-out simulated tau {last_sim['sim_tau']:.3f}, acc {_fmt(last_sim['acc'])}")
         if topo.is_main and (step % cfg.train.ckpt_every == 0 or last or stopping):
             with watchdog.stage("checkpoint"):
-                state["seconds"] = time.perf_counter() - budget_start
+                state["seconds"] = budget.elapsed()
                 path = run.checkpointer.save(step, drafter, _trainer_state(state, optimizer, scheduler, source),
                                              meta, sim_tau=last_sim["sim_tau"] if last_sim else None)
             metrics.write(f"step {step}: checkpoint {path}")
