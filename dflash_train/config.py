@@ -47,6 +47,10 @@ class DrafterConfigSpec:
     init_from_target: bool = True
     """Initialise the final norm (and so the logit scale) and the layers from the target's last
     layers where shapes allow; random init otherwise."""
+    init_norm_scale: float = 1.0
+    """Factor on the initial final-norm weight, i.e. on the initial logits through the tied
+    lm_head. The copied target norm makes a fresh drafter confidently wrong (held-out loss ~17
+    nats on SmolLM2, > ln V); a small factor starts it near uniform."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +83,10 @@ class LossConfig:
     """Decay constant of w_k = exp(-(k-1)/gamma); None derives it from the block size."""
     chunk_tokens: int = 2048
     """Block tokens per lm_head + CE chunk; bounds the logits held at once."""
+    train_vocab: int | None = None
+    """Training-only softmax over every token of the training data plus the lowest ids, this many
+    in all (train/vocab.py): the lm_head dominates a CPU step. None = the full vocabulary. Held-out
+    simulated tau, the real eval and inference always use the full lm_head."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,7 +106,8 @@ class TrainConfig:
     epochs: int = 6
     max_steps: int | None = None
     max_minutes: float | None = None
-    """Wall-clock training budget; the run stops, evaluates and exports when it is spent."""
+    """Wall-clock training budget; the run stops, evaluates and exports when it is spent. The lr
+    cosine follows the time spent when that is further along than the steps (train/optim.py)."""
     num_anchors: int = 512
     seqs_per_step: int = 8
     """Global batch in sequences per optimizer step (over all drafter ranks and micro-batches)."""

@@ -24,9 +24,10 @@ from dflash_train.train import balance, setup
 from dflash_train.train.balance import ComputeTimer
 from dflash_train.train.batching import BatchPlan, StepSampler
 from dflash_train.train.checkpoint import Checkpointer, provenance, rng_state, set_rng_state
+from dflash_train.train.health import CompileHealthWatch
 from dflash_train.train.loss import LossStats, summarize
 from dflash_train.train.metrics import MetricsLog
-from dflash_train.train.optim import build_optimizer
+from dflash_train.train.optim import TimeBudget, build_optimizer
 from dflash_train.train.parallel import parallelize, resolve_backend, resolve_compile, use_shared_compile_cache
 from dflash_train.train.sources import (CollateArgs, ColocatedSource, RemoteSource, StoredTapsSource, compute_taps,
                                         serve_taps)
@@ -34,8 +35,7 @@ from dflash_train.train.step import StepContext, forward_stats, reduce_stats, to
 from dflash_train.train.topology import init_distributed, pick_device, topology_from_env
 
 PAD_MULTIPLE = 64  # uncompiled runs pad lengths to this multiple; compiled runs pad to max_len (static)
-HEALTH_WARMUP_STEPS, HEALTH_CHECK_STEPS = 2, 2
-AGREE_EVERY = 4  # several drafter ranks agree on stopping (signal, time budget) every this many steps  # compile during the first, verify over the next
+AGREE_EVERY = 4  # several drafter ranks agree on stopping (signal, time budget) every this many steps
 SETUP_WATCHDOG_S = 1800.0  # loading, data preparation and the first (compiling) step beat rarely
 FAULT_ENV = "DFLASH_INJECT_FAULT"  # "raise|hang:rank=R:step=S", for testing failure handling
 
@@ -223,22 +223,27 @@ def _taps_source(run: Run):
 
 def _step_context(run: Run) -> StepContext:
     cuda = run.device.type == "cuda"
+    lm_head = run.target.lm_head_weight.detach()
+    vocab = setup.train_vocab_of(run.cfg, run.train_samples, run.target.vocab_size, run.log)
     return StepContext(embed_weight=run.target.embed_weight.detach(),
-                       lm_head_weight=run.target.lm_head_weight.detach(), block_size=run.dcfg.block_size,
+                       lm_head_weight=lm_head, block_size=run.dcfg.block_size,
                        mask_token_id=run.dcfg.mask_token_id, layer_types=run.dcfg.layer_types,
                        sliding_window=run.dcfg.sliding_window, gamma=setup.gamma_of(run.cfg),
                        chunk_tokens=run.cfg.loss.chunk_tokens, backend=run.backend, device=run.device,
                        autocast_dtype=torch.bfloat16 if cuda else None, dp_group=run.dp_group,
-                       num_drafters=run.topo.num_drafters, compile_loss=run.compiled)
+                       num_drafters=run.topo.num_drafters, compile_loss=run.compiled, train_vocab=vocab,
+                       train_lm_head=vocab.restrict(lm_head) if vocab is not None else None)
 
 
 def _train_drafter(run: Run) -> dict:
     """A drafter rank: build, resume, then the loop; the main rank exports and evaluates."""
     cfg, topo, log = run.cfg, run.topo, run.log
-    drafter = setup.init_drafter(run.dcfg, run.target, cfg.train.seed, cfg.drafter.init_from_target, run.device)
+    drafter = setup.init_drafter(run.dcfg, run.target, cfg.train.seed, cfg.drafter.init_from_target, run.device,
+                                 cfg.drafter.init_norm_scale)
     ctx = _step_context(run)
+    budget = TimeBudget(cfg.train.max_minutes)
     optimizer, scheduler = build_optimizer(drafter.parameters(), cfg.optim, run.total_steps,
-                                           fused=run.device.type == "cuda")
+                                           fused=run.device.type == "cuda", budget=budget)
     source = _taps_source(run)
     state = {"step": 0, "tokens": 0, "seconds": 0.0}
     if run.resume is not None:
@@ -250,7 +255,7 @@ def _train_drafter(run: Run) -> dict:
         log(setup.describe(cfg, run.dcfg, topo, len(run.train_samples), len(run.held_out), run.total_steps,
                            run.plan.accum, run.backend, run.compiled,
                            run.dcfg.num_taps * run.dcfg.hidden_size * run.target.dtype.itemsize))
-    last_sim = _loop(run, drafter, model, ctx, optimizer, scheduler, source, state)
+    last_sim = _loop(run, drafter, model, ctx, optimizer, scheduler, source, state, budget)
     result = {"role": "drafter", "steps": state["step"], "total_steps": run.total_steps, "tokens": state["tokens"],
               "sim": last_sim, "interrupted": run.stop.signal, "out_dir": str(run.out_dir)}
     if topo.is_main:
@@ -263,7 +268,7 @@ def _train_drafter(run: Run) -> dict:
     return _finish_distributed(topo, result)
 
 
-def _loop(run: Run, drafter, model, ctx, optimizer, scheduler, source, state: dict):
+def _loop(run: Run, drafter, model, ctx, optimizer, scheduler, source, state: dict, budget: TimeBudget):
     """The training loop: taps -> step -> log / held-out simulated tau / checkpoint. Returns the
     last held-out figures."""
     cfg, topo, watchdog = run.cfg, run.topo, run.watchdog
@@ -272,7 +277,8 @@ def _loop(run: Run, drafter, model, ctx, optimizer, scheduler, source, state: di
     timer = ComputeTimer(run.device)
     meta = {"config": cfg.to_dict(), "provenance": provenance(topo.world_size)}
     last_sim = None
-    interval_tokens, interval_start, budget_start = 0, time.perf_counter(), time.perf_counter()
+    interval_tokens, interval_start = 0, time.perf_counter()
+    budget.start()
     run.stop.deferring = True
     while state["step"] < run.total_steps:
         watchdog.beat("waiting for taps")
@@ -296,7 +302,7 @@ def _loop(run: Run, drafter, model, ctx, optimizer, scheduler, source, state: di
         step_tokens = sum(int(mb.attention_mask.sum()) for mb in mbs) * topo.num_drafters
         state["tokens"] += step_tokens
         interval_tokens += step_tokens
-        out_of_time = bool(cfg.train.max_minutes) and time.perf_counter() - budget_start > 60 * cfg.train.max_minutes
+        out_of_time = budget.spent()
         stopping = _agree(run.stop() or out_of_time, ctx, step)
         if step % cfg.train.log_every == 0 or last or stopping:
             rate = interval_tokens / max(time.perf_counter() - interval_start, 1e-9)
@@ -307,11 +313,11 @@ def _loop(run: Run, drafter, model, ctx, optimizer, scheduler, source, state: di
         if topo.is_main and (step % cfg.train.eval_every == 0 or last or stopping):
             with watchdog.stage("held-out simulated tau"):
                 last_sim = simulated_tau(drafter, run.eval_mbs, ctx)
-            metrics.log({"step": step, "eval": last_sim})
+            metrics.log({"step": step, "seconds": round(budget.elapsed(), 1), "eval": last_sim})
             metrics.write(f"step {step}: held-out simulated tau {last_sim['sim_tau']:.3f}, acc {_fmt(last_sim['acc'])}")
         if topo.is_main and (step % cfg.train.ckpt_every == 0 or last or stopping):
             with watchdog.stage("checkpoint"):
-                state["seconds"] = time.perf_counter() - budget_start
+                state["seconds"] = budget.elapsed()
                 path = run.checkpointer.save(step, drafter, _trainer_state(state, optimizer, scheduler, source),
                                              meta, sim_tau=last_sim["sim_tau"] if last_sim else None)
             metrics.write(f"step {step}: checkpoint {path}")
@@ -355,41 +361,12 @@ def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log) ->
     return {"eval": report["sets"], "report": str(out_dir / "eval" / "report.json")}
 
 
-class CompileHealthWatch:
-    """After warm-up, verify that no step compiles anything new and that flex attention runs
-    compiled (no eager fallback); then forbid recompiles for the rest of the run. Fails loudly."""
-
-    def __init__(self, enabled: bool, expect_flex: bool, start_step: int, log):
-        self.enabled, self.expect_flex, self.log = enabled, expect_flex, log
-        self.before = None
-        self.warm_at = start_step + HEALTH_WARMUP_STEPS
-        self.check_at = self.warm_at + HEALTH_CHECK_STEPS
-        if enabled:
-            from dflash_train.diagnostics.compile_health import track_eager_flex_calls
-
-            track_eager_flex_calls()
-
-    def after_step(self, step: int, last: bool) -> None:
-        if not self.enabled:
-            return
-        from dflash_train.diagnostics import compile_health as ch
-
-        if step == self.warm_at:
-            self.before = ch.CompileCounters.snapshot()
-        elif self.before is not None and (step == self.check_at or last):
-            report = ch.assert_compile_healthy(self.before, ch.CompileCounters.snapshot(),
-                                               expect_compiled_flex=self.expect_flex)
-            frozen = ch.freeze_compilation()
-            self.log(f"compile health: OK after warm-up ({report.summary()}); recompiles "
-                     f"{'now forbidden' if frozen else 'not forbidden (no set_stance in this torch)'}")
-            self.before = None
-
-
 def simulated_tau(drafter, eval_mbs, ctx: StepContext) -> dict:
     """Greedy acceptance on held-out data at fixed anchors, with the uncompiled drafter and the
-    SDPA path and the eager loss (eval shapes differ from training shapes; no recompiles of the
-    training graphs)."""
-    eval_ctx = dataclasses.replace(ctx, backend="sdpa", num_drafters=1, compile_loss=False)
+    SDPA path, the eager loss and the full vocabulary (eval shapes differ from training shapes;
+    no recompiles of the training graphs)."""
+    eval_ctx = dataclasses.replace(ctx, backend="sdpa", num_drafters=1, compile_loss=False, train_vocab=None,
+                                   train_lm_head=None)
     total = None
     drafter.eval()
     with torch.no_grad():

@@ -31,7 +31,8 @@ def build_drafter_config(cfg: RunConfig, target) -> DrafterConfig:
     return dcfg
 
 
-def init_drafter(dcfg: DrafterConfig, target, seed: int, from_target: bool, device) -> DFlashDrafter:
+def init_drafter(dcfg: DrafterConfig, target, seed: int, from_target: bool, device,
+                 norm_scale: float = 1.0) -> DFlashDrafter:
     """Seeded HF-style init; with `from_target`:
     - the final norm copies the target's, so the frozen lm_head sees inputs at the scale it was
       trained on (a sensible initial logit scale instead of logits ~N(0, H));
@@ -39,11 +40,14 @@ def init_drafter(dcfg: DrafterConfig, target, seed: int, from_target: bool, devi
       shapes agree (q_norm/k_norm, absent in Llama targets, stay at one);
     - fc starts as the identity on the deepest tap and hidden_norm as the first copied layer's
       input norm, so the injected context starts as that layer's own normalised input, which its
-      copied k_proj/v_proj were trained on."""
+      copied k_proj/v_proj were trained on.
+    `norm_scale` then multiplies the final norm weight: the initial logit scale."""
     drafter = DFlashDrafter(dcfg)
     drafter.reset_parameters(generator=torch.Generator().manual_seed(seed))
     if from_target:
         _copy_from_target(drafter, target)
+    with torch.no_grad():
+        drafter.norm.weight.mul_(norm_scale)
     return drafter.to(device=device, dtype=torch.float32)
 
 
@@ -150,6 +154,19 @@ def eval_batches(samples: list[Sample], num_anchors: int, pad_multiple: int, max
         anchors, keep = all_anchors(mask[0], num_anchors)
         out.append(MicroBatch([s.id], ids, mask, attn, anchors[None], keep[None]))
     return out
+
+
+def train_vocab_of(cfg: RunConfig, samples: list[Sample], vocab_size: int, log):
+    """The training softmax subset of `loss.train_vocab` (every token of the training samples plus
+    the lowest ids), or None for the full vocabulary."""
+    if cfg.loss.train_vocab is None:
+        return None
+    from dflash_train.train.vocab import vocab_subset
+
+    vocab = vocab_subset((s.input_ids for s in samples), vocab_size, cfg.loss.train_vocab)
+    log(f"loss: training softmax over {vocab.ids.numel()} of {vocab_size} tokens (loss.train_vocab); "
+        "held-out and real eval use all of them")
+    return vocab
 
 
 def gamma_of(cfg: RunConfig) -> float:

@@ -19,6 +19,7 @@ from dflash_train.data.anchors import block_inputs, block_labels, position_ids
 from dflash_train.model.attention import MaskSpec, build_training_masks
 from dflash_train.train.batching import MicroBatch
 from dflash_train.train.loss import LossStats, block_loss, slot_weights
+from dflash_train.train.vocab import VocabSubset
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,8 @@ class StepContext:
     dp_group: object = None  # drafter process group; None for one drafter
     num_drafters: int = 1
     compile_loss: bool = False  # fuse the lm_head/softmax passes with torch.compile (compiled runs)
+    train_vocab: VocabSubset | None = None  # training-only softmax subset (loss.train_vocab)
+    train_lm_head: torch.Tensor | None = None  # lm_head rows of train_vocab, [V', H]
 
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -74,8 +77,11 @@ def forward_stats(model, batch: dict, ctx: StepContext) -> LossStats:
                 else contextlib.nullcontext())
     with autocast:
         hidden = model(block_embeds, taps, position_ids(seq_len, anchors, ctx.block_size), masks, ctx.backend)
-        return block_loss(hidden, ctx.lm_head_weight, labels, valid, ctx.gamma, ctx.chunk_tokens,
-                          compiled=ctx.compile_loss)
+        lm_head = ctx.lm_head_weight
+        if ctx.train_vocab is not None:
+            labels, valid = ctx.train_vocab.map_labels(labels, valid)
+            lm_head = ctx.train_lm_head
+        return block_loss(hidden, lm_head, labels, valid, ctx.gamma, ctx.chunk_tokens, compiled=ctx.compile_loss)
 
 
 def global_weight_sum(mbs: list[MicroBatch], ctx: StepContext) -> torch.Tensor:
