@@ -117,6 +117,12 @@ def environment() -> dict:
     return env
 
 
+def start(name: str, args) -> tuple["Bench", torch.device]:
+    """The opening of every single-process bench: CPU threads, the Bench, the device."""
+    cpu_threads(args.small)
+    return Bench(name, args), pick_device(args.small, args.device)
+
+
 def pick_device(small: bool, requested: str = "auto") -> torch.device:
     """`--small` runs on the CPU unless `--device cuda` is asked for; otherwise CUDA if present."""
     if requested != "auto":

@@ -73,9 +73,7 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     a = parse(argv)
-    C.cpu_threads(a.small)
-    b = C.Bench("drafter_step", a)
-    device = C.pick_device(a.small, a.device)
+    b, device = C.start("drafter_step", a)
     from dflash_train.train.parallel import resolve_backend, resolve_compile
 
     try:

@@ -94,9 +94,7 @@ def compiled_flex(mode: str | None, options: dict | None):
 
 def main(argv=None) -> int:
     a = parse(argv)
-    C.cpu_threads(a.small)
-    b = C.Bench("flex_tune", a)
-    device = C.pick_device(a.small, a.device)
+    b, device = C.start("flex_tune", a)
     torch._dynamo.config.recompile_limit = 64  # one graph per variant, on purpose
     with b.phase("build"):
         inputs = attention_inputs(a, device)

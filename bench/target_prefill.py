@@ -50,9 +50,7 @@ def parse(argv=None):
 
 def main(argv=None) -> int:
     a = parse(argv)
-    C.cpu_threads(a.small)
-    b = C.Bench("target_prefill", a)
-    device = C.pick_device(a.small, a.device)
+    b, device = C.start("target_prefill", a)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     b.info.update(device=str(device), dtype=str(dtype), batch=a.batch, seq_len=a.seq_len)
     st: dict = {}

@@ -39,9 +39,9 @@ class ComputeTimer:
             end.record()
             self.events.append((self._start, end))
             if len(self.events) > 64:  # a whole run would hold millions of events: fold finished ones
-                done = [(s, e) for s, e in self.events if e.query()]
-                self.counted_s += sum(s.elapsed_time(e) for s, e in done) / 1000.0
-                self.events = [pair for pair in self.events if pair not in done]
+                finished = [e.query() for _, e in self.events]
+                self.counted_s += sum(s.elapsed_time(e) for (s, e), f in zip(self.events, finished) if f) / 1000.0
+                self.events = [pair for pair, f in zip(self.events, finished) if not f]
         else:
             self.counted_s += time.perf_counter() - self._start
 

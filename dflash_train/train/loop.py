@@ -225,6 +225,7 @@ def _step_context(run: Run) -> StepContext:
     cuda = run.device.type == "cuda"
     lm_head = run.target.lm_head_weight.detach()
     vocab = setup.train_vocab_of(run.cfg, run.train_samples, run.target.vocab_size, run.log)
+    vocab = vocab.to(run.device) if vocab is not None else None
     return StepContext(embed_weight=run.target.embed_weight.detach(),
                        lm_head_weight=lm_head, block_size=run.dcfg.block_size,
                        mask_token_id=run.dcfg.mask_token_id, layer_types=run.dcfg.layer_types,

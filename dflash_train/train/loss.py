@@ -21,6 +21,7 @@ saved state for backward is one gradient the size of the hidden input.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 
@@ -71,15 +72,10 @@ def softmax_rows(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tenso
     return losses, argmax, d_logits.to(weight.dtype) @ weight  # [c, H]
 
 
-_compiled_softmax_rows = None
-
-
+@functools.lru_cache(maxsize=None)
 def compiled_softmax_rows():
     """`softmax_rows` compiled once per process (static shapes: one graph per chunk shape)."""
-    global _compiled_softmax_rows
-    if _compiled_softmax_rows is None:
-        _compiled_softmax_rows = torch.compile(softmax_rows, dynamic=False)
-    return _compiled_softmax_rows
+    return torch.compile(softmax_rows, dynamic=False)
 
 
 class _LinearSoftmaxLoss(torch.autograd.Function):

@@ -25,6 +25,11 @@ class VocabSubset:
     ids: torch.Tensor  # [V'] sorted token ids kept in the training softmax
     index: torch.Tensor  # [V] position of each token id in `ids`, -1 where absent
 
+    def to(self, device) -> "VocabSubset":
+        """On the training device once, so `map_labels` copies nothing per micro-batch (a [V]
+        host-to-device copy each time, which on a GPU would also wait for the stream)."""
+        return VocabSubset(self.ids.to(device), self.index.to(device))
+
     def restrict(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """The [V', H] rows of the lm_head that the training softmax runs over (a copy, contiguous)."""
         return lm_head_weight[self.ids.to(lm_head_weight.device)].contiguous()
