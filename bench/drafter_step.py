@@ -49,6 +49,8 @@ def parse(argv=None):
                    help="auto = flex on CUDA, sdpa on CPU (as the trainer resolves it)")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile the drafter (default: on for CUDA, off on CPU)")
+    p.add_argument("--compile-mode", default=None, help="torch.compile mode of the drafter, e.g. reduce-overhead "
+                   "(CUDA graphs); default: torch's default")
     p.add_argument("--chunk-tokens", type=int, default=2048, help="lm_head/CE chunk rows (loss.chunk_tokens)")
     p.add_argument("--compile-loss", action=argparse.BooleanOptionalAction, default=None,
                    help="fuse the loss passes with torch.compile (default: as --compile)")
@@ -192,7 +194,9 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
     b.info["compile_loss"] = compile_loss
     ctx = C.step_context(dcfg, embed, lm_head, device, backend, a.chunk_tokens, compile_loss=compile_loss)
     optimizer, scheduler = build_optimizer(drafter.parameters(), OptimConfig(), 1000, fused=device.type == "cuda")
-    model = parallelize(drafter, device=device, compile_model=compiled, dp_group=None, num_drafters=1)
+    model = parallelize(drafter, device=device, compile_model=compiled, dp_group=None, num_drafters=1,
+                        compile_mode=a.compile_mode)
+    b.info["compile_mode"] = a.compile_mode
     flops = C.flops_for(tcfg, dcfg, seq_len=S, num_anchors=N, batch=rows, mean_ctx=C.mean_context(mb))
     params = sum(p.numel() for p in drafter.parameters())
     b.figure("drafter_params_m", params / 1e6)

@@ -310,7 +310,7 @@ def _loop(run: Run, drafter, model, ctx, optimizer, scheduler, source, state: di
             _log_step(metrics, _train_record(step, epoch, reduce_stats(stats, ctx, run.dcfg.block_size), grad_norm,
                                              scheduler, rate))
             interval_tokens, interval_start = 0, time.perf_counter()
-        metrics.advance(1, {})
+        metrics.advance(1)
         if topo.is_main and (step % cfg.train.eval_every == 0 or last or stopping):
             with watchdog.stage("held-out simulated tau"):
                 last_sim = simulated_tau(drafter, run.eval_mbs, ctx)

@@ -45,10 +45,13 @@ class MetricsLog:
             for key, value in _scalars(record):
                 self.writer.add_scalar(key, value, record["step"])
 
-    def advance(self, n: int, postfix: dict) -> None:
+    def advance(self, n: int, postfix: dict | None = None) -> None:
+        """Move the bar n steps; a postfix (loss, accuracy, rate) replaces the shown one and stays
+        until the next, so the bar keeps showing the latest logged figures between log steps."""
         if self.bar is not None:
             self.bar.update(n)
-            self.bar.set_postfix(postfix, refresh=False)
+            if postfix is not None:
+                self.bar.set_postfix(postfix, refresh=False)
 
     def write(self, line: str) -> None:
         """Print above the bar (flushed) so messages and the bar do not tangle."""

@@ -43,7 +43,7 @@ def resolve_backend(setting: str, device: torch.device) -> str:
 
 
 def parallelize(drafter: nn.Module, *, device: torch.device, compile_model: bool, dp_group, num_drafters: int,
-                recompile_limit: int = 16) -> nn.Module:
+                recompile_limit: int = 16, compile_mode: str | None = None) -> nn.Module:
     """Return the module the training step calls: DDP-wrapped if D > 1, then compiled (optional).
 
     Compiling the DDP module (not wrapping a compiled one) lets dynamo's DDP optimizer split the
@@ -57,5 +57,5 @@ def parallelize(drafter: nn.Module, *, device: torch.device, compile_model: bool
                     gradient_as_bucket_view=True)
     if compile_model:
         torch._dynamo.config.recompile_limit = recompile_limit  # shape buckets; each is one graph
-        model = torch.compile(model, dynamic=False)
+        model = torch.compile(model, dynamic=False, mode=compile_mode)
     return model

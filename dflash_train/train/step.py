@@ -103,15 +103,34 @@ def train_step(model, optimizer, scheduler, mbs: list[MicroBatch], ctx: StepCont
         last = i == len(mbs) - 1
         sync = model.no_sync() if hasattr(model, "no_sync") and not last else contextlib.nullcontext()
         with sync:
+            torch.compiler.cudagraph_mark_step_begin()  # a new iteration for CUDA-graphed models; no-op otherwise
             stats = forward_stats(model, to_device(mb, ctx.device), ctx)
             (stats.loss_sum * scale.to(stats.loss_sum.dtype)).backward()
         detached = LossStats(**{k: v.detach() for k, v in vars(stats).items()})
         total = detached if total is None else LossStats(**{k: getattr(total, k) + v for k, v in vars(detached).items()})
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    optimizer.step()
+    grad_norm = clip_and_step(optimizer, [p for p in model.parameters() if p.grad is not None], grad_clip)
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     return total, grad_norm
+
+
+def clip_and_step(optimizer, params: list, max_norm: float) -> torch.Tensor:
+    """Clip the gradients to a total norm of `max_norm` and take the optimizer step; returns the
+    pre-clip norm (a device tensor, no host sync).
+
+    A fused AdamW applies the clip inside its kernel: it divides every gradient by `grad_scale`
+    (the hook GradScaler uses), so the separate read-multiply-write pass of `clip_grad_norm_` over
+    all gradients (3.5 ms of a 142 ms step at the paper's shapes) shrinks to the norm's one read.
+    Same arithmetic: g / ((norm + 1e-6) / max_norm) == g * (max_norm / (norm + 1e-6)), both only
+    when the norm exceeds max_norm.
+    """
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+    if optimizer.defaults.get("fused"):
+        optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0).float()
+    else:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    optimizer.step()
+    return norm
 
 
 def reduce_stats(stats: LossStats, ctx: StepContext, block_size: int) -> LossStats:
