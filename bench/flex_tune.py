@@ -6,7 +6,7 @@ candidates it timed), and with explicit `kernel_options` given as JSON.
     python bench/flex_tune.py --options '[{"BLOCK_M": 64, "BLOCK_N": 64}]' --no-autotune
     python bench/flex_tune.py --small                           # CPU: forward only, seconds
 
-The winner goes into `train.flex_kernel_options` (docs/PERF.md records the sweep).
+docs/PERF.md records the sweeps; none has beaten the default by enough to adopt yet.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ def parse(argv=None):
     p.add_argument("--options", default="[]", help="JSON list of kernel_options dicts to time")
     p.add_argument("--autotune", action=argparse.BooleanOptionalAction, default=None,
                    help="also time mode=max-autotune-no-cudagraphs (default: on CUDA)")
+    p.add_argument("--expanded-kv", action="store_true",
+                   help="also time K/V repeated to the query heads (no GQA in the kernel)")
     p.add_argument("--reps", type=int, default=10, help="timed repetitions of each variant")
     p.add_argument("--json", help="write the figures to this JSON file")
     a = p.parse_args(argv)
@@ -82,14 +84,17 @@ def time_variant(fn, inputs, reps: int, device: torch.device) -> tuple[float, fl
     return ready, C.median(C.time_calls(run, reps, device))
 
 
-def compiled_flex(mode: str | None, options: dict | None):
+def compiled_flex(mode: str | None, options: dict | None, expand_kv: bool = False):
+    """Compiled flex fwd(+bwd); expand_kv repeats K/V to the query heads first (the repeat and
+    its backward, a sum over the group, are timed too)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    compiled = torch.compile(flex_attention, dynamic=False, mode=mode)
+    def call(q, k, v, mask):
+        if expand_kv:
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1], kernel_options=options)
 
-    def fn(q, k, v, mask):
-        return compiled(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1], kernel_options=options)
-    return fn
+    return torch.compile(call, dynamic=False, mode=mode)
 
 
 def main(argv=None) -> int:
@@ -102,12 +107,15 @@ def main(argv=None) -> int:
         b.log(f"q {tuple(q.shape)}, kv {tuple(k.shape)}, {q.dtype}, {'fwd+bwd' if inputs[5] else 'fwd only'}")
     variants = [("default", None, None)]
     variants += [(f"options {json.dumps(o)}", None, o) for o in json.loads(a.options)]
+    if a.expanded_kv:
+        variants.append(("expanded kv", "expanded", None))
     if a.autotune if a.autotune is not None else device.type == "cuda":
         variants.append(("max-autotune", "max-autotune-no-cudagraphs", None))
     results = {}
     for i, (name, mode, options) in enumerate(variants):
         with b.phase(name):
-            ready, med = time_variant(compiled_flex(mode, options), inputs, a.reps, device)
+            fn = compiled_flex(None, None, expand_kv=True) if mode == "expanded" else compiled_flex(mode, options)
+            ready, med = time_variant(fn, inputs, a.reps, device)
             results[name] = med
             b.log(f"{name}: {med * 1e3:.3f} ms (ready after {ready:.1f}s)")
             b.figure(f"variant{i}_ms", med * 1e3, name)
