@@ -279,7 +279,7 @@ def _loop(run: Run, drafter, model, ctx, optimizer, scheduler, source, state: di
     meta = {"config": cfg.to_dict(), "provenance": provenance(topo.world_size)}
     last_sim = None
     interval_tokens, interval_start = 0, time.perf_counter()
-    budget.start()
+    budget.start(state.get("seconds", 0.0))  # a resumed run continues its time budget
     run.stop.deferring = True
     while state["step"] < run.total_steps:
         watchdog.beat("waiting for taps")
@@ -323,8 +323,11 @@ def _loop(run: Run, drafter, model, ctx, optimizer, scheduler, source, state: di
                                              meta, sim_tau=last_sim["sim_tau"] if last_sim else None)
             metrics.write(f"step {step}: checkpoint {path}")
         if stopping:
-            why = run.stop.signal or f"train.max_minutes={cfg.train.max_minutes} spent"
-            metrics.write(f"stopping at step {step}: {why}; resume with train.resume=true")
+            if run.stop.signal:
+                metrics.write(f"stopping at step {step}: {run.stop.signal}; continue with --resume")
+            else:  # the budget carries over on resume, so only a larger one trains further
+                metrics.write(f"stopping at step {step}: train.max_minutes={cfg.train.max_minutes} spent; continue "
+                              f"with --resume and a larger train.max_minutes (the time spent carries over)")
             break
     run.stop.deferring = False
     metrics.close()

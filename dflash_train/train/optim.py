@@ -16,14 +16,16 @@ from dflash_train.config import OptimConfig
 
 
 class TimeBudget:
-    """Fraction of a wall-clock budget spent since `start()`; always 0 without a budget."""
+    """Fraction of a wall-clock budget spent; always 0 without a budget. A resumed run starts
+    with the seconds its checkpoint had already spent, so the budget (and the lr that follows
+    it) continues instead of starting over."""
 
     def __init__(self, minutes: float | None):
         self.seconds = 60.0 * minutes if minutes else None
         self.t0 = time.perf_counter()
 
-    def start(self) -> None:
-        self.t0 = time.perf_counter()
+    def start(self, already_spent_s: float = 0.0) -> None:
+        self.t0 = time.perf_counter() - already_spent_s
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0

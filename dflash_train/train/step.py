@@ -58,8 +58,11 @@ def to_device(mb: MicroBatch, device) -> dict:
 
 
 def loss_weight_sum(mb: MicroBatch, ctx: StepContext) -> torch.Tensor:
-    """Sum of w_k over the valid slots of a micro-batch (the loss denominator's share)."""
-    _, valid = block_labels(mb.input_ids, mb.loss_mask, mb.anchors, mb.keep, ctx.block_size)
+    """Sum of w_k over the valid slots of a micro-batch (the loss denominator's share), counting
+    only the slots the loss will see (with `loss.train_vocab`, labels inside the subset)."""
+    labels, valid = block_labels(mb.input_ids, mb.loss_mask, mb.anchors, mb.keep, ctx.block_size)
+    if ctx.train_vocab is not None:
+        _, valid = ctx.train_vocab.map_labels(labels, valid)
     w = slot_weights(ctx.block_size, ctx.gamma, dtype=torch.float64)
     return (valid[:, :, 1:].double() * w).sum()
 

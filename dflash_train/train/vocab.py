@@ -23,12 +23,14 @@ import torch
 @dataclass(frozen=True)
 class VocabSubset:
     ids: torch.Tensor  # [V'] sorted token ids kept in the training softmax
-    index: torch.Tensor  # [V] position of each token id in `ids`, -1 where absent
+    index: torch.Tensor  # [V] position of each token id in `ids`, -1 where absent (training device)
+    host_index: torch.Tensor | None = None  # the same on the CPU, for the host-side loss normaliser
 
     def to(self, device) -> "VocabSubset":
         """On the training device once, so `map_labels` copies nothing per micro-batch (a [V]
-        host-to-device copy each time, which on a GPU would also wait for the stream)."""
-        return VocabSubset(self.ids.to(device), self.index.to(device))
+        host-to-device copy each time, which on a GPU would also wait for the stream); a CPU copy
+        stays for the loss normaliser, which is summed on the host."""
+        return VocabSubset(self.ids.to(device), self.index.to(device), self.index.cpu())
 
     def restrict(self, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """The [V', H] rows of the lm_head that the training softmax runs over (a copy, contiguous)."""
@@ -37,7 +39,10 @@ class VocabSubset:
     def map_labels(self, labels: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Labels as positions in the subset; a label outside it (never one of the training data's
         tokens) is dropped from the loss rather than mapped to a wrong token."""
-        mapped = self.index.to(labels.device)[labels]
+        index = self.index
+        if index.device != labels.device and self.host_index is not None and labels.device.type == "cpu":
+            index = self.host_index
+        mapped = index.to(labels.device)[labels]
         return mapped.clamp(min=0), valid & (mapped >= 0)
 
 

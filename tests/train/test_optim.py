@@ -19,3 +19,12 @@ def test_time_budget_without_minutes_never_runs_out():
     budget = TimeBudget(None)
     assert budget.fraction() == 0.0 and not budget.spent()
     assert TimeBudget(1e-9).spent()
+
+
+def test_resumed_budget_continues_from_the_seconds_already_spent():
+    budget = TimeBudget(10.0)  # 600 s
+    budget.start(already_spent_s=450.0)
+    assert budget.fraction() == pytest.approx(0.75, abs=1e-3)
+    assert not budget.spent()
+    budget.start(already_spent_s=601.0)
+    assert budget.spent()
