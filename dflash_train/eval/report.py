@@ -105,6 +105,19 @@ def plot(sets: dict[str, dict], out_dir: Path) -> list[Path]:
     return paths
 
 
+def lossless_note(figures: dict, float32: bool, temperature: float) -> str | None:
+    """A warning when greedy speculative decoding did not reproduce plain greedy decoding, with
+    the likely cause; None when every output matched (or sampling makes matching meaningless)."""
+    differ = figures["num_prompts"] - figures["identical_outputs"]
+    if differ == 0 or temperature > 0:
+        return None
+    why = ("in float32 this is a bug (the verification must reproduce the target): please report it with "
+           "the eval report" if float32 else
+           "expected in reduced precision: near-tie argmaxes flip between the batched verification forward and "
+           "one-token decoding; a float32 target (target.dtype=float32) gives identical outputs")
+    return f"WARNING {differ} of {figures['num_prompts']} outputs differ from plain greedy decoding; {why}"
+
+
 def summary_table(sets: dict[str, dict]) -> str:
     """Fixed-width table: one row per set, acceptance of the first slots included."""
     head = f"{'set':<12}{'prompts':>8}{'tokens':>8}{'steps':>7}{'tau':>7}  {'acc@1..4':<24}" \

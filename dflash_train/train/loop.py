@@ -354,6 +354,7 @@ def _eval_prompt_sets(cfg: RunConfig) -> dict:
 def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log) -> dict:
     """Real speculative decoding of the exported drafter against the target, on held-out prompts."""
     from dflash_train.eval.evaluate import evaluate
+    from dflash_train.eval.report import lossless_note
 
     drafter = load_zlab(drafter_dir, device=target.device, dtype=target.dtype)
     target.eager_layers()  # decoding shapes change every step
@@ -361,7 +362,11 @@ def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log) ->
                       temperature=cfg.eval.temperature, thinking=cfg.data.thinking, seed=cfg.train.seed,
                       out_dir=out_dir / "eval")
     for name, figures in report["sets"].items():
-        log(f"eval [{name}]: tau {figures['tau']:.3f}, speedup {figures['speedup']:.2f}x")
+        log(f"eval [{name}]: tau {figures['tau']:.3f}, speedup {figures['speedup']:.2f}x, "
+            f"{figures['identical_outputs']}/{figures['num_prompts']} outputs identical to plain greedy")
+        note = lossless_note(figures, target.dtype == torch.float32, cfg.eval.temperature)
+        if note:
+            log(f"eval [{name}]: {note}")
     return {"eval": report["sets"], "report": str(out_dir / "eval" / "report.json")}
 
 

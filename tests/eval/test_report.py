@@ -51,3 +51,15 @@ def test_plots_and_table(tmp_path):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 5000
     table = summary_table(sets)
     assert "assistant" in table and "chitchat" in table and "2.80" in table and "2.00x" in table
+
+
+def test_lossless_note_warns_only_when_greedy_outputs_differ():
+    from dflash_train.eval.report import lossless_note
+
+    same = {"num_prompts": 4, "identical_outputs": 4}
+    differ = {"num_prompts": 4, "identical_outputs": 1}
+    assert lossless_note(same, float32=True, temperature=0.0) is None
+    assert lossless_note(differ, float32=False, temperature=0.7) is None  # sampling: no reference
+    assert "3 of 4" in lossless_note(differ, float32=True, temperature=0.0)
+    assert "bug" in lossless_note(differ, float32=True, temperature=0.0)
+    assert "reduced precision" in lossless_note(differ, float32=False, temperature=0.0)
