@@ -77,7 +77,7 @@ def _run(args: argparse.Namespace) -> dict:
 
 
 def command(args: argparse.Namespace) -> int:
-    from dflash_train.eval.report import summary_table
+    from dflash_train.eval.report import lossless_note, summary_table
 
     try:
         report = _run(args)
@@ -89,6 +89,10 @@ def command(args: argparse.Namespace) -> int:
         print(f"dflash-train eval: FAILED: {type(e).__name__}: {e}", flush=True)
         return 1
     print(summary_table({**report["sets"], "overall": report["overall"]}), flush=True)
+    for name, figures in report["sets"].items():
+        note = lossless_note(figures, report["dtype"] == "float32", args.temperature)
+        if note:
+            print(f"eval [{name}]: {note}", flush=True)
     print(f"eval: report {report['report']}; plots {', '.join(report['plots'])}", flush=True)
     overall = report["overall"]
     print(f"dflash-train eval: OK tau={overall['tau']:.3f} speedup={overall['speedup']:.2f}x "

@@ -146,6 +146,7 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
         drafter.train(was_training)
     report = _assemble(results, block_size, opts, thinking, seed, time.perf_counter() - t0)
     report["target"], report["device"] = getattr(target, "name", "?"), str(device)
+    report["dtype"] = str(target.dtype).removeprefix("torch.")  # bf16 may flip near-tie greedy tokens
     cfg = drafter.config
     report["drafter"] = {"num_layers": cfg.num_layers, "block_size": cfg.block_size,
                          "target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id}
