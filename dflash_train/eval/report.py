@@ -114,7 +114,7 @@ def lossless_note(figures: dict, float32: bool, temperature: float) -> str | Non
     why = ("in float32 this is a bug (the verification must reproduce the target): please report it with "
            "the eval report" if float32 else
            "expected in reduced precision: near-tie argmaxes flip between the batched verification forward and "
-           "one-token decoding; a float32 target (target.dtype=float32) gives identical outputs")
+           "one-token decoding; a float32 target (train: target.dtype=float32, eval: --dtype float32) gives identical outputs")
     return f"WARNING {differ} of {figures['num_prompts']} outputs differ from plain greedy decoding; {why}"
 
 
