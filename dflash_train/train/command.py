@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import traceback
+from pathlib import Path
 
 from dflash_train import recipes
 from dflash_train.config import apply_overrides
@@ -30,6 +31,20 @@ def serving_commands(drafter_dir: str, target: str, block_size: int) -> str:
             f"--speculative-draft-model-path {drafter_dir} --speculative-num-draft-tokens {block_size}")
 
 
+def served_target(target_cfg) -> str:
+    """What a serving engine should load as the target: the hub id of the embedded SmolLM2, the
+    HF directory this tool converted a GGUF file into (safetensors + tokenizer, which vLLM and
+    SGLang load as is), or the model path as given."""
+    if target_cfg.model == "smollm2":
+        return "HuggingFaceTB/SmolLM2-135M-Instruct"
+    from dflash_train.model.target import gguf_cache_dir, resolve_target
+
+    path, gguf_file = resolve_target(target_cfg.model, target_cfg.gguf_file)
+    if gguf_file is not None and gguf_cache_dir(Path(path) / gguf_file).is_dir():
+        return str(gguf_cache_dir(Path(path) / gguf_file))
+    return target_cfg.model
+
+
 def _summary(cfg, result: dict) -> str:
     sim = result.get("sim") or {}
     lines = [f"trained {result['steps']}/{result['total_steps']} steps, {result['tokens']} tokens; "
@@ -40,8 +55,7 @@ def _summary(cfg, result: dict) -> str:
     lines.append(f"checkpoint: {result.get('checkpoint')}\ndrafter (z-lab format): {result.get('export')}")
     if result.get("report"):
         lines.append(f"report: {result['report']}")
-    target = cfg.target.model if cfg.target.model != "smollm2" else "HuggingFaceTB/SmolLM2-135M-Instruct"
-    lines.append("serve it with:\n" + serving_commands(result.get("export", "DRAFTER_DIR"), target,
+    lines.append("serve it with:\n" + serving_commands(result.get("export", "DRAFTER_DIR"), served_target(cfg.target),
                                                          cfg.drafter.block_size))
     return "\n".join(lines)
 
