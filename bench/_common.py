@@ -159,6 +159,19 @@ def time_calls(fn, reps: int, device: torch.device) -> list[float]:
     return times
 
 
+def attention_runner(fn, q, k, v, grad, mask, train: bool):
+    """A no-argument call of attention `fn(q, k, v, mask)`: forward + backward with `grad` when
+    training (gradients reset each call), forward only under no_grad otherwise."""
+    def run():
+        if train:
+            q.grad = k.grad = v.grad = None
+            fn(q, k, v, mask).backward(grad)
+        else:
+            with torch.no_grad():
+                fn(q, k, v, mask)
+    return run
+
+
 def measure_matmul_peak(device: torch.device, bench: Bench | None = None) -> tuple[float, str]:
     """Achieved matmul FLOP/s in this run: bf16 8192^3 timed with CUDA events on GPU, fp32 on CPU."""
     if device.type == "cuda":

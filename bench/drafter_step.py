@@ -236,14 +236,7 @@ def attention_ratio(b: C.Bench, dcfg, mb, device: torch.device, dtype: torch.dty
     compiled_flex = torch.compile(flex_attention, dynamic=False)
 
     def runner(fn, q, k, v, grad, mask):
-        def run():
-            if train:
-                q.grad = k.grad = v.grad = None
-                fn(q, k, v, mask).backward(grad)
-            else:
-                with torch.no_grad():
-                    fn(q, k, v, mask)
-        return run
+        return C.attention_runner(fn, q, k, v, grad, mask, train)
 
     def flex_c(q, k, v, m):
         return compiled_flex(q, k, v, block_mask=m, enable_gqa=q.shape[1] != k.shape[1])

@@ -68,15 +68,7 @@ def attention_inputs(a, device: torch.device):
 
 def time_variant(fn, inputs, reps: int, device: torch.device) -> tuple[float, float]:
     """(seconds to the first result, compile included; median seconds per fwd(+bwd))."""
-    q, k, v, grad, mask, train = inputs
-
-    def run():
-        if train:
-            q.grad = k.grad = v.grad = None
-            fn(q, k, v, mask).backward(grad)
-        else:
-            with torch.no_grad():
-                fn(q, k, v, mask)
+    run = C.attention_runner(fn, *inputs)
 
     t0 = time.perf_counter()
     C.time_calls(run, 2, device)
