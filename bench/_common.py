@@ -40,6 +40,13 @@ SMALL_TARGET = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, 
 PAPER_MASK_TOKEN = 151669  # the z-lab Qwen3 drafters' mask token id
 
 
+def say(line: str) -> None:
+    """Print one line in a single write: print() writes the text and the newline separately, so
+    under torchrun another rank's output could land between them and break a RESULT line."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 class Bench:
     """Progress log, failure-tolerant phases, figures, JSON and the final verdict line."""
 
@@ -53,7 +60,7 @@ class Bench:
         self.log(f"start: {' '.join(sys.argv)}")
 
     def log(self, message: str) -> None:
-        print(f"[{self.prefix} +{time.perf_counter() - self.t0:.0f}s] {message}", flush=True)
+        say(f"[{self.prefix} +{time.perf_counter() - self.t0:.0f}s] {message}")
 
     @contextlib.contextmanager
     def phase(self, title: str):
@@ -68,7 +75,7 @@ class Bench:
             first = (str(e).strip().splitlines() or [""])[0][:300]
             self.log(f"PHASE FAILED '{title}' after {time.perf_counter() - start:.1f}s: {type(e).__name__}: {first}")
             tail = traceback.format_exc().strip().splitlines()[-14:]
-            print("\n".join("    | " + line for line in tail), flush=True)
+            say("\n".join("    | " + line for line in tail))
             if torch.cuda.is_available():
                 with contextlib.suppress(Exception):
                     torch.cuda.synchronize()
@@ -82,7 +89,7 @@ class Bench:
     def figure(self, key: str, value, note: str = "") -> None:
         self.figures[key] = value
         shown = f"{value:.6g}" if isinstance(value, float) else value
-        print(f"RESULT {key}={shown}" + (f"  # {note}" if note else ""), flush=True)
+        say(f"RESULT {key}={shown}" + (f"  # {note}" if note else ""))
 
     def finish(self, verdict: str, json_path: str | None) -> int:
         status = "OK" if not self.failed else f"PARTIAL (failed: {', '.join(self.failed)})"
@@ -96,7 +103,7 @@ class Bench:
                 self.log(f"figures written to {json_path}")
             except OSError as e:
                 self.log(f"could not write {json_path}: {e}")
-        print(f"VERDICT {self.name}: {status}: {verdict}", flush=True)
+        say(f"VERDICT {self.name}: {status}: {verdict}")
         return 0 if not self.failed else 1
 
 

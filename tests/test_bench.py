@@ -4,6 +4,7 @@ VERDICT line, writes its JSON, and every figure it prints is a finite number; th
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -30,13 +31,17 @@ CASES = {
 }
 
 
+RESULT_LINE = re.compile(r"RESULT (\w+)=(\S+)$")
+
+
 def results(stdout: str) -> dict[str, float]:
-    """`RESULT key=value  # note` lines -> {key: float(value)}."""
+    """`RESULT key=value  # note` lines -> {key: float(value)}. Matched anywhere in a line: under
+    torchrun the other rank's unterminated output can precede a RESULT line on the same line."""
     figures = {}
     for line in stdout.splitlines():
-        if line.startswith("RESULT "):
-            key, _, value = line[len("RESULT "):].split("#")[0].strip().partition("=")
-            figures[key] = float(value)
+        found = RESULT_LINE.search(line.split("#")[0].strip())
+        if found:
+            figures[found.group(1)] = float(found.group(2))
     return figures
 
 
