@@ -130,6 +130,24 @@ def start(name: str, args) -> tuple["Bench", torch.device]:
     return Bench(name, args), pick_device(args.small, args.device)
 
 
+def add_shape_args(p, device: bool = True) -> None:
+    """--small, --device and the DFlash shape options shared by the drafter-side benches; the
+    defaults (paper shapes, or tiny ones with --small) are filled in by `fill_shape_defaults`."""
+    p.add_argument("--small", action="store_true", help="tiny shapes on the CPU (seconds)")
+    if device:
+        p.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    p.add_argument("--block-size", type=int, help="B (default 16; 8 with --small)")
+    p.add_argument("--anchors", type=int, help="N anchors per sequence (default 512; 16 with --small)")
+    p.add_argument("--seq-len", type=int, help="S (default 3072; 256 with --small)")
+
+
+def fill_shape_defaults(a):
+    a.block_size = a.block_size or (8 if a.small else 16)
+    a.anchors = a.anchors or (16 if a.small else 512)
+    a.seq_len = a.seq_len or (256 if a.small else 3072)
+    return a
+
+
 def pick_device(small: bool, requested: str = "auto") -> torch.device:
     """`--small` runs on the CPU unless `--device cuda` is asked for; otherwise CUDA if present."""
     if requested != "auto":

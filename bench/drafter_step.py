@@ -38,11 +38,7 @@ ATTN_GOAL = 15.0
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description="DFlash drafter train-step benchmark")
-    p.add_argument("--small", action="store_true", help="tiny shapes on the CPU (seconds)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    p.add_argument("--block-size", type=int, help="B (default 16; 8 with --small)")
-    p.add_argument("--anchors", type=int, help="N anchors per sequence (default 512; 16 with --small)")
-    p.add_argument("--seq-len", type=int, help="S (default 3072; 256 with --small)")
+    C.add_shape_args(p)
     p.add_argument("--layers", type=int, help="drafter layers (default 5; 2 with --small)")
     p.add_argument("--batch", type=int, default=1, help="sequences per micro-batch (default 1)")
     p.add_argument("--attention", choices=("auto", "flex", "sdpa", "dense"), default="auto",
@@ -64,9 +60,7 @@ def parse(argv=None):
     p.add_argument("--attn-reps", type=int, default=5, help="timed repetitions of each attention variant")
     p.add_argument("--json", help="write the figures to this JSON file")
     a = p.parse_args(argv)
-    a.block_size = a.block_size or (8 if a.small else 16)
-    a.anchors = a.anchors or (16 if a.small else 512)
-    a.seq_len = a.seq_len or (256 if a.small else 3072)
+    C.fill_shape_defaults(a)
     a.layers = a.layers or (2 if a.small else 5)
     a.steps = a.steps or (3 if a.small else 10)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.small else 3)
@@ -105,6 +99,8 @@ def main(argv=None) -> int:
     def step():
         from dflash_train.train.step import train_step
 
+        if a.compile_mode == "reduce-overhead":  # CUDA graphs: a new iteration (one micro-batch per step)
+            torch.compiler.cudagraph_mark_step_begin()
         stats, grad_norm = train_step(st["model"], st["optimizer"], st["scheduler"], [st["mb"]], st["ctx"], 1.0)
         st["last"] = (stats, grad_norm)
 

@@ -25,11 +25,7 @@ from bench import _common as C  # noqa: E402
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--small", action="store_true", help="tiny shapes on the CPU (seconds)")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    p.add_argument("--block-size", type=int, help="B (default 16; 8 with --small)")
-    p.add_argument("--anchors", type=int, help="N anchors per sequence (default 512; 16 with --small)")
-    p.add_argument("--seq-len", type=int, help="S (default 3072; 256 with --small)")
+    C.add_shape_args(p)
     p.add_argument("--options", default="[]", help="JSON list of kernel_options dicts to time")
     p.add_argument("--autotune", action=argparse.BooleanOptionalAction, default=None,
                    help="also time mode=max-autotune-no-cudagraphs (default: on CUDA)")
@@ -38,9 +34,7 @@ def parse(argv=None):
     p.add_argument("--reps", type=int, default=10, help="timed repetitions of each variant")
     p.add_argument("--json", help="write the figures to this JSON file")
     a = p.parse_args(argv)
-    a.block_size = a.block_size or (8 if a.small else 16)
-    a.anchors = a.anchors or (16 if a.small else 512)
-    a.seq_len = a.seq_len or (256 if a.small else 3072)
+    C.fill_shape_defaults(a)
     return a
 
 

@@ -35,10 +35,7 @@ from bench import _common as C  # noqa: E402
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description="disaggregated target -> drafter pipeline benchmark (2 ranks)")
-    p.add_argument("--small", action="store_true", help="tiny shapes on the CPU with gloo (seconds)")
-    p.add_argument("--block-size", type=int, help="B (default 16; 8 with --small)")
-    p.add_argument("--anchors", type=int, help="N (default 512; 16 with --small)")
-    p.add_argument("--seq-len", type=int, help="S (default 3072; 256 with --small)")
+    C.add_shape_args(p, device=False)
     p.add_argument("--layers", type=int, help="drafter layers (default 5; 2 with --small)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch (one target forward)")
     p.add_argument("--accum", type=int, default=1, help="micro-batches per drafter step")
@@ -51,9 +48,7 @@ def parse(argv=None):
     p.add_argument("--warmup", type=int, help="warm-up steps, compile included (default 3; 1 with --small)")
     p.add_argument("--json", help="write the figures to this JSON file (rank 1)")
     a = p.parse_args(argv)
-    a.block_size = a.block_size or (8 if a.small else 16)
-    a.anchors = a.anchors or (16 if a.small else 512)
-    a.seq_len = a.seq_len or (256 if a.small else 3072)
+    C.fill_shape_defaults(a)
     a.layers = a.layers or (2 if a.small else 5)
     a.steps = a.steps or (4 if a.small else 20)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.small else 3)

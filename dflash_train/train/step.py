@@ -106,7 +106,6 @@ def train_step(model, optimizer, scheduler, mbs: list[MicroBatch], ctx: StepCont
         last = i == len(mbs) - 1
         sync = model.no_sync() if hasattr(model, "no_sync") and not last else contextlib.nullcontext()
         with sync:
-            torch.compiler.cudagraph_mark_step_begin()  # a new iteration for CUDA-graphed models; no-op otherwise
             stats = forward_stats(model, to_device(mb, ctx.device), ctx)
             (stats.loss_sum * scale.to(stats.loss_sum.dtype)).backward()
         detached = LossStats(**{k: v.detach() for k, v in vars(stats).items()})
