@@ -302,6 +302,20 @@ def random_drafter(dcfg, device: torch.device, std: float = 0.02):
     return drafter
 
 
+def drafter_optimizer(drafter, device: torch.device, master_weights: bool | None = None):
+    """The trainer's optimizer for a bench drafter (train/loop.py's choice): on CUDA bf16 weights
+    with float32 masters (or, master_weights=False, float32 weights and the fused AdamW)."""
+    from dflash_train.config import OptimConfig
+    from dflash_train.train.optim import build_optimizer
+
+    cuda = device.type == "cuda"
+    cfg = OptimConfig()
+    master = cuda and cfg.master_weights if master_weights is None else master_weights
+    if master and not cuda:
+        raise ValueError("master weights need CUDA: the bf16 weights rely on bf16 autocast; CPU steps run in float32")
+    return build_optimizer(drafter.parameters(), cfg, 1000, fused=cuda, master_weights=master)
+
+
 def drafter_config(tcfg, *, layers: int, block_size: int, small: bool):
     from dflash_train.model.config import drafter_config_from_target
 
@@ -441,7 +455,7 @@ def check_compile_health(bench: Bench, module, st: dict, expect_compiled_flex: b
 KERNEL_GROUPS = (  # (group, substrings of a kernel or op name), first match wins
     ("matmul", ("gemm", "cutlass", "nvjet", "sm90_xmma", "aten::mm", "aten::addmm", "aten::bmm")),
     ("attention", ("flex", "attention", "flash")),
-    ("optimizer", ("adam", "multi_tensor", "foreach")),
+    ("optimizer", ("adam", "multi_tensor", "foreach", "lerp")),  # lerp: the compiled AdamW update
     ("loss softmax", ("log_softmax", "softmax")),
     ("mask builder", ("block_mask", "create_block")),
     ("copies", ("copy", "memcpy", "memset", "fill")),

@@ -7,9 +7,10 @@ compiled-vs-eager speed of the training attention.
     python bench/drafter_step.py --small                           # tiny shapes, CPU, seconds
 
 It runs the package's real step: `parallelize` (torch.compile of the drafter), `train_step`
-(compiled BlockMask, bf16 autocast, chunked lm_head + CE, clip, AdamW fused on CUDA) on random
-weights and random taps. The drafter is float32 as in training; taps, embedding and lm_head are in
-the target dtype (bf16 on GPU).
+(analytic BlockMask, bf16 autocast, chunked lm_head + CE, clip, AdamW) on random weights and random
+taps. As in training on CUDA, the drafter holds bf16 weights and the optimizer their float32 masters
+(`--no-master-weights`: float32 weights and the fused AdamW); taps, embedding and lm_head are in the
+target dtype (bf16 on GPU).
 
 Figures: tokens/s (sequence tokens S per second), median step time (each step CUDA-synchronised),
 MFU against a bf16 matmul peak measured in the same run (fp32 on CPU) with the model FLOPs of
@@ -47,6 +48,8 @@ def parse(argv=None):
                    help="torch.compile the drafter (default: on for CUDA, off on CPU)")
     p.add_argument("--compile-mode", default=None, help="torch.compile mode of the drafter, e.g. reduce-overhead "
                    "(CUDA graphs); default: torch's default")
+    p.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=None,
+                   help="bf16 weights + float32 masters in the optimizer (default: on for CUDA, as the trainer)")
     p.add_argument("--chunk-tokens", type=int, default=2048, help="lm_head/CE chunk rows (loss.chunk_tokens)")
     p.add_argument("--compile-loss", action=argparse.BooleanOptionalAction, default=None,
                    help="fuse the loss passes with torch.compile (default: as --compile)")
@@ -174,10 +177,9 @@ def main(argv=None) -> int:
 
 
 def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> dict:
-    """Random drafter (float32), frozen embedding/lm_head and taps (target dtype), optimizer, the
-    compiled model; returned in a dict so that dropping the dict frees them."""
-    from dflash_train.config import OptimConfig
-    from dflash_train.train.optim import build_optimizer
+    """Random drafter (float32; bf16 once the master-weight optimizer takes it), frozen
+    embedding/lm_head and taps (target dtype), optimizer, the compiled model; returned in a dict so
+    that dropping the dict frees them."""
     from dflash_train.train.parallel import parallelize
 
     S, N, rows = a.seq_len, a.anchors, a.batch
@@ -189,7 +191,8 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
     compile_loss = compiled if a.compile_loss is None else a.compile_loss
     b.info["compile_loss"] = compile_loss
     ctx = C.step_context(dcfg, embed, lm_head, device, backend, a.chunk_tokens, compile_loss=compile_loss)
-    optimizer, scheduler = build_optimizer(drafter.parameters(), OptimConfig(), 1000, fused=device.type == "cuda")
+    optimizer, scheduler = C.drafter_optimizer(drafter, device, a.master_weights)
+    b.info["master_weights"] = type(optimizer).__name__ != "AdamW"
     model = parallelize(drafter, device=device, compile_model=compiled, dp_group=None, num_drafters=1,
                         compile_mode=a.compile_mode)
     b.info["compile_mode"] = a.compile_mode

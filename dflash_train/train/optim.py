@@ -7,6 +7,7 @@ machine is (a CPU shared with other jobs can run at half speed for minutes).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 
@@ -49,13 +50,118 @@ def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_ratio: float
 
 
 def build_optimizer(params, cfg: OptimConfig, total_steps: int, fused: bool = False,
-                    budget: TimeBudget | None = None):
+                    budget: TimeBudget | None = None, master_weights: bool = False):
     """AdamW over the trainable parameters and its LambdaLR schedule (both resumable; with a
-    `budget`, the lr also decays with the time spent, read when the scheduler steps)."""
+    `budget`, the lr also decays with the time spent, read when the scheduler steps).
+    master_weights: bf16 parameters, float32 masters in the optimizer (MasterWeightAdamW; CUDA,
+    compiled update); else torch's AdamW (`fused` on CUDA)."""
     params = [p for p in params if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
-                                  **({"fused": True} if fused else {}))
+    if master_weights:
+        optimizer = MasterWeightAdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                                      compiled=params[0].device.type == "cuda")
+    else:
+        optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                                      **({"fused": True} if fused else {}))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, cfg.warmup_ratio, cfg.min_lr_ratio,
                                           budget.fraction() if budget else 0.0))
     return optimizer, scheduler
+
+
+class MasterWeightAdamW(torch.optim.Optimizer):
+    """AdamW over bf16 parameters that keeps their float32 master weights in its state.
+
+    Why: with float32 parameters under bf16 autocast every step casts each weight to bf16 in the
+    forward and each bf16 weight gradient back to float32 in the backward, and the fused AdamW then
+    streams 32 bytes per parameter (float32 weight, gradient, two moments; the clip rewrites the
+    gradient). Here the module holds the bf16 weights the matmuls read and gets bf16 gradients
+    straight from them; one elementwise kernel per tensor (compiled) reads the bf16 gradient and the
+    float32 master and moments and writes them back with the new bf16 weight: 28 bytes, no casts.
+
+    The arithmetic is torch.optim.AdamW's (single-tensor path, float32) applied to the masters, so
+    training follows float32 weights whose forward runs in bf16, as under autocast. What differs:
+    gradients accumulate over micro-batches (and DDP reduces them) in bf16.
+    `grad_scale` (a device tensor, set by `step.clip_and_step`) divides every gradient, as in the
+    fused AdamW. Build it on the float32 module: the masters are copied before the cast to bf16.
+    """
+
+    def __init__(self, params, lr: float, betas: tuple[float, float], weight_decay: float, eps: float = 1e-8,
+                 param_dtype: torch.dtype = torch.bfloat16, compiled: bool = False):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, eps=eps))
+        self.grad_scale: torch.Tensor | None = None
+        self._update = torch.compile(_adamw_update, fullgraph=True, dynamic=False) if compiled else _adamw_update
+        for p in self._params():
+            self.state[p].update(step=torch.tensor(0.0), master=p.detach().float().clone(),
+                                 exp_avg=torch.zeros_like(p, dtype=torch.float32),
+                                 exp_avg_sq=torch.zeros_like(p, dtype=torch.float32))
+            p.data = p.data.to(param_dtype)
+
+    def _params(self):
+        return [p for group in self.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            states = [self.state[p] for p in params]
+            for state in states:
+                state["step"] += 1
+            coeffs = self._coefficients(group, float(states[0]["step"]), params[0].device)
+            scale = self.grad_scale if self.grad_scale is not None else torch.ones((), device=params[0].device)
+            self._update(params, [p.grad for p in params], [s["master"] for s in states],
+                         [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], coeffs, scale)
+
+    @staticmethod
+    def _coefficients(group: dict, step: float, device: torch.device) -> torch.Tensor:
+        """AdamW's per-step scalars, computed on the host as torch's AdamW does, sent in one
+        non-blocking copy (a tensor, so the compiled update never recompiles as the lr moves)."""
+        lr, (beta1, beta2) = group["lr"], group["betas"]
+        values = [1 - lr * group["weight_decay"], 1 - beta1, beta2, 1 - beta2,
+                  lr / (1 - beta1 ** step), (1 - beta2 ** step) ** 0.5, group["eps"]]
+        host = torch.tensor(values, dtype=torch.float32, pin_memory=device.type == "cuda")
+        return host.to(device, non_blocking=True)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore the float32 masters and moments as float32 (the base class would cast them to the
+        parameters' bf16) and the parameters from the masters."""
+        super().load_state_dict(state_dict)
+        saved = state_dict["state"]
+        for index, p in enumerate(self._params()):
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                self.state[p][key] = saved[index][key].to(device=p.device, dtype=torch.float32)
+            p.data.copy_(self.state[p]["master"])
+
+    @contextlib.contextmanager
+    def full_precision_weights(self):
+        """Inside the block the parameters are the float32 masters (what a checkpoint stores)."""
+        low = [(p, p.data) for p in self._params()]
+        try:
+            for p, _ in low:
+                p.data = self.state[p]["master"]
+            yield
+        finally:
+            for p, data in low:
+                p.data = data
+
+
+def _adamw_update(params, grads, masters, exp_avgs, exp_avg_sqs, coeffs, grad_scale) -> None:
+    """torch.optim.AdamW's single-tensor update on the float32 masters, then the bf16 weights.
+    coeffs: [1 - lr*wd, 1 - beta1, beta2, 1 - beta2, lr / bias1, sqrt(bias2), eps]."""
+    decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bias2_sqrt, eps = coeffs.unbind(0)
+    for param, grad, master, exp_avg, exp_avg_sq in zip(params, grads, masters, exp_avgs, exp_avg_sqs):
+        g = grad.float() / grad_scale
+        master.mul_(decay)
+        exp_avg.lerp_(g, one_minus_beta1)
+        exp_avg_sq.mul_(beta2).add_(g * g * one_minus_beta2)
+        denom = exp_avg_sq.sqrt() / bias2_sqrt + eps
+        master.sub_(exp_avg / denom * step_size)
+        param.copy_(master)
+
+
+def full_precision_weights(optimizer):
+    """The parameters as a checkpoint must store them: the masters of a MasterWeightAdamW, else as is."""
+    if isinstance(optimizer, MasterWeightAdamW):
+        return optimizer.full_precision_weights()
+    return contextlib.nullcontext()

@@ -19,6 +19,7 @@ from dflash_train.data.anchors import block_inputs, block_labels, position_ids
 from dflash_train.model.attention import MaskSpec, build_training_masks
 from dflash_train.train.batching import MicroBatch
 from dflash_train.train.loss import LossStats, block_loss, slot_weights
+from dflash_train.train.optim import MasterWeightAdamW
 from dflash_train.train.vocab import VocabSubset
 
 
@@ -118,17 +119,19 @@ def train_step(model, optimizer, scheduler, mbs: list[MicroBatch], ctx: StepCont
 
 def clip_and_step(optimizer, params: list, max_norm: float) -> torch.Tensor:
     """Clip the gradients to a total norm of `max_norm` and take the optimizer step; returns the
-    pre-clip norm (a device tensor, no host sync).
+    pre-clip norm (a float32 device tensor, no host sync).
 
-    A fused AdamW applies the clip inside its kernel: it divides every gradient by `grad_scale`
-    (the hook GradScaler uses), so `clip_grad_norm_`'s separate read-multiply-write pass over all
-    gradients goes (2.3 ms at the paper's shapes; the AdamW kernel spends 1.5 ms of it back).
-    Same arithmetic: g / ((norm + 1e-6) / max_norm) == g * (max_norm / (norm + 1e-6)), both only
-    when the norm exceeds max_norm.
+    A fused AdamW (and MasterWeightAdamW) applies the clip inside its kernel: it divides every
+    gradient by `grad_scale` (the hook GradScaler uses), so `clip_grad_norm_`'s separate
+    read-multiply-write pass over all gradients goes (2.3 ms at the paper's shapes; the AdamW
+    kernel spends 1.5 ms of it back). Same arithmetic: g / ((norm + 1e-6) / max_norm) ==
+    g * (max_norm / (norm + 1e-6)), both only when the norm exceeds max_norm. The norm is summed
+    in float32 also over bf16 gradients.
     """
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-    if optimizer.defaults.get("fused"):
-        optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0).float()
+    grads = [p.grad for p in params]
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+    if optimizer.defaults.get("fused") or isinstance(optimizer, MasterWeightAdamW):
+        optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)
     else:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     optimizer.step()

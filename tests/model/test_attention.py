@@ -113,3 +113,21 @@ def test_analytic_block_mask_has_the_tiles_of_create_block_mask(context_len, blo
     assert tile_sets(ours.full_kv_num_blocks, ours.full_kv_indices) == \
         tile_sets(ref.full_kv_num_blocks, ref.full_kv_indices)
     assert torch.equal(ours.to_dense(), ref.to_dense())
+
+
+def test_analytic_mask_mod_equals_mask_rule_on_every_element():
+    """The interval mask_mod the kernel evaluates in partial tiles, on the whole grid, padded query
+    rows (past N*B, up to a whole tile) included, batch of 2 with padded anchors."""
+    from dflash_train.model.attention import analytic_block_mask, mask_rule
+
+    gen = torch.Generator().manual_seed(5)
+    spec = MaskSpec(context_len=37, block_size=3, num_anchors=7)
+    anchors, keep = random_anchors(2, 37, 7, [7, 4], gen)
+    mask = analytic_block_mask(spec, anchors, keep, tile=8)
+    b = torch.arange(2)[:, None, None]
+    q = torch.arange(24)[None, :, None]  # N*B = 21, padded to 3 tiles of 8
+    kv = torch.arange(spec.kv_len)[None, None, :]
+    h = torch.zeros((), dtype=torch.long)
+    ours = mask.mask_mod(b, h, q, kv)
+    assert torch.equal(ours, mask_rule(spec, anchors, keep, b, q, kv))
+    assert ours[0].sum() > ours[1].sum() > 0  # the row with padded anchors sees less context

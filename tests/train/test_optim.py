@@ -1,8 +1,11 @@
 import math
 
 import pytest
+import torch
 
-from dflash_train.train.optim import TimeBudget, lr_factor
+from dflash_train.config import OptimConfig
+from dflash_train.train.optim import MasterWeightAdamW, TimeBudget, build_optimizer, full_precision_weights, lr_factor
+from dflash_train.train.step import clip_and_step
 
 
 def test_cosine_follows_steps_or_time_whichever_is_further():
@@ -28,3 +31,110 @@ def test_resumed_budget_continues_from_the_seconds_already_spent():
     assert not budget.spent()
     budget.start(already_spent_s=601.0)
     assert budget.spent()
+
+
+# --- MasterWeightAdamW: bf16 parameters, float32 masters -----------------------------------------
+
+def _float32_module(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.SiLU(), torch.nn.Linear(40, 6))
+
+
+def _bf16_grads(step: int, shapes) -> list[torch.Tensor]:
+    """The gradients a bf16 module would produce: bf16 values (both optimizers see the same ones)."""
+    g = torch.Generator().manual_seed(100 + step)
+    return [(torch.randn(s, generator=g) * (3.0 if step % 2 else 1e-3)).bfloat16() for s in shapes]
+
+
+def _run_reference(steps: int, lrs) -> list[torch.Tensor]:
+    """torch.optim.AdamW on float32 weights fed the same (bf16-valued) gradients, clip 1.0."""
+    model = _float32_module()
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1)
+    for step in range(steps):
+        for p, g in zip(model.parameters(), _bf16_grads(step, [p.shape for p in model.parameters()])):
+            p.grad = g.float()
+        opt.param_groups[0]["lr"] = lrs[step]
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _run_master(model, opt, steps: range, lrs=None) -> None:
+    """Steps with the same gradients as the reference; lrs=None leaves the lr to a scheduler."""
+    for step in steps:
+        for p, g in zip(model.parameters(), _bf16_grads(step, [p.shape for p in model.parameters()])):
+            p.grad = g
+        if lrs is not None:
+            opt.param_groups[0]["lr"] = lrs[step]
+        clip_and_step(opt, list(model.parameters()), 1.0)
+
+
+def test_master_weight_adamw_follows_float32_adamw_and_holds_bf16_weights():
+    lrs = [1e-2, 5e-3, 2e-2, 1e-3, 1e-2, 3e-3]
+    ref = _run_reference(len(lrs), lrs)
+    model = _float32_module()
+    opt = MasterWeightAdamW(model.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    _run_master(model, opt, range(len(lrs)), lrs)
+    start = list(_float32_module().parameters())
+    for p, r, s in zip(model.parameters(), ref, start):
+        master = opt.state[p]["master"]
+        assert master.dtype == torch.float32 and p.dtype == torch.bfloat16
+        torch.testing.assert_close(master, r, rtol=1e-5, atol=1e-6)  # the float32 trajectory
+        assert torch.equal(p, master.bfloat16())  # the module holds the masters rounded
+        assert (r - s).abs().max() > 1e-2  # the steps moved the weights: not a comparison of no-ops
+
+
+def test_master_weight_adamw_resumes_exactly_and_checkpoints_the_masters():
+    lrs = [1e-2, 5e-3, 2e-2, 1e-3, 1e-2, 3e-3]
+    whole = _float32_module()
+    opt_whole = MasterWeightAdamW(whole.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1)
+    _run_master(whole, opt_whole, range(6), lrs)
+
+    first = _float32_module()
+    opt_first = MasterWeightAdamW(first.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1)
+    _run_master(first, opt_first, range(3), lrs)
+    with full_precision_weights(opt_first):  # what the trainer's checkpoint stores
+        weights = {k: v.clone() for k, v in first.state_dict().items()}
+    assert all(v.dtype == torch.float32 for v in weights.values())
+    assert all(p.dtype == torch.bfloat16 for p in first.parameters())  # restored after the block
+    saved = opt_first.state_dict()
+
+    second = _float32_module(seed=1)  # other weights: everything must come from the checkpoint
+    opt_second = MasterWeightAdamW(second.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1)
+    second.load_state_dict(weights)
+    opt_second.load_state_dict(saved)
+    _run_master(second, opt_second, range(3, 6), lrs)
+    for p, q in zip(second.parameters(), whole.parameters()):
+        assert torch.equal(opt_second.state[p]["master"], opt_whole.state[q]["master"])
+        assert opt_second.state[p]["exp_avg_sq"].dtype == torch.float32
+        assert torch.equal(p, q)
+
+
+def test_build_optimizer_picks_master_weights_and_the_scheduler_drives_its_lr():
+    model = _float32_module()
+    opt, sched = build_optimizer(model.parameters(), OptimConfig(lr=1e-3, warmup_ratio=0.5), 10, master_weights=True)
+    assert isinstance(opt, MasterWeightAdamW)
+    lrs = []
+    for step in range(3):
+        lrs.append(opt.param_groups[0]["lr"])
+        _run_master(model, opt, [step])
+        sched.step()
+    assert lrs == pytest.approx([2e-4, 4e-4, 6e-4])  # linear warm-up over 5 steps
+
+
+def test_compiled_master_update_matches_eager_without_recompiling_as_the_lr_moves():
+    """The update the GPU runs (compiled) against the eager loop; the lr changes every step and
+    lives in a tensor, so one graph serves them all (~15 s of CPU compile)."""
+    lrs = [1e-2, 5e-3, 2e-2, 1e-3]
+    eager, compiled = _float32_module(), _float32_module()
+    opt_eager = MasterWeightAdamW(eager.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1)
+    opt_compiled = MasterWeightAdamW(compiled.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1,
+                                     compiled=True)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    _run_master(eager, opt_eager, range(4), lrs)
+    _run_master(compiled, opt_compiled, range(4), lrs)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+    for p, q in zip(eager.parameters(), compiled.parameters()):
+        torch.testing.assert_close(opt_compiled.state[q]["master"], opt_eager.state[p]["master"], rtol=1e-6, atol=1e-7)
+        assert torch.equal(p, q)
