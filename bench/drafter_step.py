@@ -100,7 +100,7 @@ def main(argv=None) -> int:
         b.figure("matmul_peak_tflops", peak / 1e12, label)
 
     if a.compile_mode == "reduce-overhead":
-        persistent_mask_intervals()
+        persistent_mask_tensors()
 
     def step():
         from dflash_train.train.step import train_step
@@ -210,24 +210,34 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
                 model=model, flops=flops)
 
 
-def persistent_mask_intervals() -> None:
-    """For CUDA graphs (--compile-mode reduce-overhead): a graph replays fixed addresses, and the
-    tensors the flex mask_mod captures (each query's key intervals) are taken as static inputs, so
-    a new tensor each step forces a re-recording (0.175 s/step, PERF.md 3.2). Copy each step's
-    intervals into buffers kept across steps instead (an experiment: the trainer has no CUDA-graph
-    mode)."""
+def persistent_mask_tensors() -> None:
+    """For CUDA graphs (--compile-mode reduce-overhead): a graph replays fixed addresses, and both
+    the BlockMask's tile tensors and the tensors its mask_mod captures (each query's key
+    intervals) are taken as static inputs, so new tensors each step force a re-recording (0.175
+    s/step, PERF.md 3.2; TORCH_LOGS=cudagraphs names them). Copy each step's values into the
+    tensors of the first step instead (an experiment: the trainer has no CUDA-graph mode)."""
     from dflash_train.model import attention
 
-    build, kept = attention._query_intervals, {}
+    build_intervals, build_mask, kept = attention._query_intervals, attention.analytic_block_mask, {}
 
-    def into_buffers(*args, **kwargs):
-        fresh = build(*args, **kwargs)
+    def intervals_into_buffers(*args, **kwargs):
+        fresh = build_intervals(*args, **kwargs)
         buffers = kept.setdefault(tuple(t.shape for t in fresh), tuple(torch.empty_like(t) for t in fresh))
         for buffer, t in zip(buffers, fresh):
             buffer.copy_(t)
         return buffers
 
-    attention._query_intervals = into_buffers
+    def mask_into_first(*args, **kwargs):
+        fresh = build_mask(*args, **kwargs)
+        first = kept.setdefault(("mask", fresh.shape), fresh)
+        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                     "q_indices", "full_q_num_blocks", "full_q_indices"):
+            if first is not fresh and getattr(fresh, name, None) is not None:
+                getattr(first, name).copy_(getattr(fresh, name))
+        return first
+
+    attention._query_intervals = intervals_into_buffers
+    attention.analytic_block_mask = mask_into_first
 
 
 def attention_ratio(b: C.Bench, dcfg, mb, device: torch.device, dtype: torch.dtype, reps: int) -> None:
