@@ -434,7 +434,8 @@ def _resume_point(cfg: RunConfig, topo, checkpointer: Checkpointer):
 def _restore(resume, drafter, optimizer, scheduler, source) -> dict:
     path, trainer = resume
     loaded, _, _ = Checkpointer.load(path, device=next(drafter.parameters()).device)
-    drafter.load_state_dict(loaded.state_dict())
+    with full_precision_weights(optimizer):  # bf16 weights: the float32 checkpoint loads into the masters
+        drafter.load_state_dict(loaded.state_dict())
     optimizer.load_state_dict(trainer["optimizer"])
     scheduler.load_state_dict(trainer["scheduler"])
     if isinstance(source, RemoteSource):

@@ -123,19 +123,33 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         host = torch.tensor(values, dtype=torch.float32, pin_memory=device.type == "cuda")
         return host.to(device, non_blocking=True)
 
+    def state_dict(self) -> dict:
+        """torch.optim.AdamW's layout (step, exp_avg, exp_avg_sq per parameter): either optimizer
+        resumes from the other's. The masters are not in it: they are the weights a checkpoint
+        stores (`full_precision_weights`), and are loaded back into the module inside that block."""
+        full = super().state_dict()
+        full["state"] = {i: {k: v for k, v in s.items() if k != "master"} for i, s in full["state"].items()}
+        return full
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore the float32 masters and moments as float32 (the base class would cast them to the
-        parameters' bf16) and the parameters from the masters."""
+        """Restore step and moments, the moments as float32 (the base class would cast them to the
+        parameters' bf16); the masters stay as they are (load the weights first, see state_dict)."""
+        params = self._params()
+        kept = {p: dict(self.state[p]) for p in params}
         super().load_state_dict(state_dict)
-        saved = state_dict["state"]
-        for index, p in enumerate(self._params()):
-            for key in ("master", "exp_avg", "exp_avg_sq"):
-                self.state[p][key] = saved[index][key].to(device=p.device, dtype=torch.float32)
-            p.data.copy_(self.state[p]["master"])
+        for index, p in enumerate(params):
+            saved = state_dict["state"].get(index, {})
+            self.state[p] = {**kept[p], **self.state[p]}
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in saved:
+                    self.state[p][key] = saved[key].to(device=p.device, dtype=torch.float32)
+            self.state[p]["master"] = kept[p]["master"]
 
     @contextlib.contextmanager
     def full_precision_weights(self):
-        """Inside the block the parameters are the float32 masters (what a checkpoint stores)."""
+        """Inside the block the parameters are the float32 masters: what a checkpoint stores, and
+        where loading a checkpoint's weights must write. On exit the bf16 weights are the masters
+        rounded again."""
         low = [(p, p.data) for p in self._params()]
         try:
             for p, _ in low:
@@ -144,6 +158,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         finally:
             for p, data in low:
                 p.data = data
+                data.copy_(self.state[p]["master"])
 
 
 def _adamw_update(params, grads, masters, exp_avgs, exp_avg_sqs, coeffs, grad_scale) -> None:

@@ -100,15 +100,41 @@ def test_master_weight_adamw_resumes_exactly_and_checkpoints_the_masters():
     assert all(p.dtype == torch.bfloat16 for p in first.parameters())  # restored after the block
     saved = opt_first.state_dict()
 
+    assert all("master" not in s for s in saved["state"].values())  # the weights carry the masters
     second = _float32_module(seed=1)  # other weights: everything must come from the checkpoint
     opt_second = MasterWeightAdamW(second.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1)
-    second.load_state_dict(weights)
+    with full_precision_weights(opt_second):  # as train/loop.py restores
+        second.load_state_dict(weights)
     opt_second.load_state_dict(saved)
     _run_master(second, opt_second, range(3, 6), lrs)
     for p, q in zip(second.parameters(), whole.parameters()):
         assert torch.equal(opt_second.state[p]["master"], opt_whole.state[q]["master"])
         assert opt_second.state[p]["exp_avg_sq"].dtype == torch.float32
         assert torch.equal(p, q)
+
+
+def test_master_weight_adamw_and_torch_adamw_resume_from_each_other():
+    """A run started on the CPU (torch AdamW, float32 weights) can continue on a GPU (master
+    weights) and back: same state layout, moments kept in float32."""
+    lrs = [1e-2, 5e-3, 2e-2, 1e-3]
+    ref = _float32_module()
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1)
+    for step in range(2):
+        for p, g in zip(ref.parameters(), _bf16_grads(step, [p.shape for p in ref.parameters()])):
+            p.grad = g.float()
+        opt_ref.param_groups[0]["lr"] = lrs[step]
+        clip_and_step(opt_ref, list(ref.parameters()), 1.0)
+    moved = _float32_module(seed=2)
+    opt = MasterWeightAdamW(moved.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1)
+    with full_precision_weights(opt):
+        moved.load_state_dict(ref.state_dict())
+    opt.load_state_dict(opt_ref.state_dict())
+    for p, q in zip(moved.parameters(), ref.parameters()):
+        assert torch.equal(opt.state[p]["master"], q) and torch.equal(p, q.bfloat16())
+        assert torch.equal(opt.state[p]["exp_avg_sq"], opt_ref.state[q]["exp_avg_sq"])
+    back = torch.optim.AdamW(_float32_module().parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1)
+    back.load_state_dict(opt.state_dict())
+    assert float(back.state_dict()["state"][0]["step"]) == 2.0
 
 
 def test_build_optimizer_picks_master_weights_and_the_scheduler_drives_its_lr():
