@@ -302,20 +302,6 @@ def random_drafter(dcfg, device: torch.device, std: float = 0.02):
     return drafter
 
 
-def drafter_optimizer(drafter, device: torch.device, master_weights: bool | None = None):
-    """The trainer's optimizer for a bench drafter (train/loop.py's choice): on CUDA bf16 weights
-    with float32 masters (or, master_weights=False, float32 weights and the fused AdamW)."""
-    from dflash_train.config import OptimConfig
-    from dflash_train.train.optim import build_optimizer
-
-    cuda = device.type == "cuda"
-    cfg = OptimConfig()
-    master = cuda and cfg.master_weights if master_weights is None else master_weights
-    if master and not cuda:
-        raise ValueError("master weights need CUDA: the bf16 weights rely on bf16 autocast; CPU steps run in float32")
-    return build_optimizer(drafter.parameters(), cfg, 1000, fused=cuda, master_weights=master)
-
-
 def drafter_config(tcfg, *, layers: int, block_size: int, small: bool):
     from dflash_train.model.config import drafter_config_from_target
 

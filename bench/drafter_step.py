@@ -183,6 +183,8 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
     """Random drafter (float32; bf16 once the master-weight optimizer takes it), frozen
     embedding/lm_head and taps (target dtype), optimizer, the compiled model; returned in a dict so
     that dropping the dict frees them."""
+    from dflash_train.config import OptimConfig
+    from dflash_train.train.optim import build_optimizer
     from dflash_train.train.parallel import parallelize
 
     S, N, rows = a.seq_len, a.anchors, a.batch
@@ -194,7 +196,9 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
     compile_loss = compiled if a.compile_loss is None else a.compile_loss
     b.info["compile_loss"] = compile_loss
     ctx = C.step_context(dcfg, embed, lm_head, device, backend, a.chunk_tokens, compile_loss=compile_loss)
-    optimizer, scheduler = C.drafter_optimizer(drafter, device, a.master_weights)
+    if a.master_weights and device.type != "cuda":
+        raise ValueError("--master-weights needs CUDA: the bf16 weights rely on bf16 autocast; CPU steps run in float32")
+    optimizer, scheduler = build_optimizer(drafter.parameters(), OptimConfig(), 1000, master_weights=a.master_weights)
     b.info["master_weights"] = type(optimizer).__name__ != "AdamW"
     model = parallelize(drafter, device=device, compile_model=compiled, dp_group=None, num_drafters=1,
                         compile_mode=a.compile_mode)

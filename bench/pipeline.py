@@ -180,6 +180,8 @@ def main(argv=None) -> int:
                   prefetch=a.prefetch)
     st: dict = {}
     with b.phase("build drafter"):
+        from dflash_train.config import OptimConfig
+        from dflash_train.train.optim import build_optimizer
         from dflash_train.train.parallel import parallelize
 
         dcfg = C.drafter_config(tcfg, layers=a.layers, block_size=B, small=a.small)
@@ -187,7 +189,7 @@ def main(argv=None) -> int:
         embed, lm_head = C.frozen_embeddings(tcfg.vocab_size, tcfg.hidden_size, device, dtype)
         ctx = C.step_context(dcfg, embed, lm_head, device, attn, a.chunk_tokens, dp_group=dp_group, num_drafters=1,
                              compile_loss=compiled)
-        optimizer, scheduler = C.drafter_optimizer(drafter, device)
+        optimizer, scheduler = build_optimizer(drafter.parameters(), OptimConfig(), 1000)  # the trainer's choice
         model = parallelize(drafter, device=device, compile_model=compiled, dp_group=dp_group, num_drafters=1)
         source = RemoteSource(samples, sampler, plan, topo, collate_fn, dcfg.num_taps * dcfg.hidden_size, dtype,
                               device, steps_left=a.warmup + a.steps + a.prefetch, prefetch=a.prefetch)

@@ -243,9 +243,7 @@ def _train_drafter(run: Run) -> dict:
                                  cfg.drafter.init_norm_scale)
     ctx = _step_context(run)
     budget = TimeBudget(cfg.train.max_minutes)
-    cuda = run.device.type == "cuda"  # bf16 compute: bf16 weights, float32 masters (optim.master_weights)
-    optimizer, scheduler = build_optimizer(drafter.parameters(), cfg.optim, run.total_steps, fused=cuda,
-                                           budget=budget, master_weights=cuda and cfg.optim.master_weights)
+    optimizer, scheduler = build_optimizer(drafter.parameters(), cfg.optim, run.total_steps, budget=budget)
     source = _taps_source(run)
     state = {"step": 0, "tokens": 0, "seconds": 0.0}
     if run.resume is not None:

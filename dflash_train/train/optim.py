@@ -49,19 +49,21 @@ def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_ratio: float
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def build_optimizer(params, cfg: OptimConfig, total_steps: int, fused: bool = False,
-                    budget: TimeBudget | None = None, master_weights: bool = False):
+def build_optimizer(params, cfg: OptimConfig, total_steps: int, budget: TimeBudget | None = None,
+                    master_weights: bool | None = None):
     """AdamW over the trainable parameters and its LambdaLR schedule (both resumable; with a
     `budget`, the lr also decays with the time spent, read when the scheduler steps).
-    master_weights: bf16 parameters, float32 masters in the optimizer (MasterWeightAdamW; CUDA,
-    compiled update); else torch's AdamW (`fused` on CUDA)."""
+    Which AdamW follows from the parameters' device: on CUDA MasterWeightAdamW (bf16 parameters,
+    float32 masters, compiled update) when `master_weights` (default: `cfg.master_weights`), else
+    torch's fused AdamW; on the CPU torch's AdamW over float32 parameters."""
     params = [p for p in params if p.requires_grad]
-    if master_weights:
+    cuda = params[0].device.type == "cuda"
+    if master_weights if master_weights is not None else cuda and cfg.master_weights:
         optimizer = MasterWeightAdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
-                                      compiled=params[0].device.type == "cuda")
+                                      compiled=cuda)
     else:
         optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
-                                      **({"fused": True} if fused else {}))
+                                      **({"fused": True} if cuda else {}))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, cfg.warmup_ratio, cfg.min_lr_ratio,
                                           budget.fraction() if budget else 0.0))

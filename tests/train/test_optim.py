@@ -141,6 +141,8 @@ def test_build_optimizer_picks_master_weights_and_the_scheduler_drives_its_lr():
     model = _float32_module()
     opt, sched = build_optimizer(model.parameters(), OptimConfig(lr=1e-3, warmup_ratio=0.5), 10, master_weights=True)
     assert isinstance(opt, MasterWeightAdamW)
+    cpu_default, _ = build_optimizer(_float32_module().parameters(), OptimConfig(), 10)
+    assert type(cpu_default) is torch.optim.AdamW  # CPU training stays float32 whatever the setting
     lrs = []
     for step in range(3):
         lrs.append(opt.param_groups[0]["lr"])
