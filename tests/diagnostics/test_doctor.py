@@ -86,7 +86,8 @@ def test_a_hanging_stage_is_reported_with_its_stack_and_later_stages_still_run()
     assert f"no result within the {limit}s stage limit; stuck in _injected_hang" in stages["versions"][3]
     assert "|   File" in proc.stdout and "line" in proc.stdout and "in _injected_hang" in proc.stdout
     assert stages["devices"][1] == "FAIL" and "injected failure" in stages["devices"][3]
-    assert stages["disk"][1] == "PASS" and "GiB free" in stages["disk"][3]  # the doctor went on
+    # the doctor went on: the disk stage ran (WARN under 50 GiB free, which depends on the machine)
+    assert stages["disk"][1] in ("PASS", "WARN") and "GiB free" in stages["disk"][3]
     assert proc.stdout.strip().splitlines()[-1] == "dflash-train doctor: FAILED (2 FAIL: versions, devices)"
     assert proc.returncode == 1
     assert elapsed < limit + 60  # killed at its limit (plus the stack grace), not left running
