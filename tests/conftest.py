@@ -56,10 +56,17 @@ def tiny_qwen3_target(smollm2_tokenizer):
     return Target(model=model, tokenizer=smollm2_tokenizer, name="tiny-qwen3")
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen3_dir(tiny_qwen3_target, tmp_path_factory) -> Path:
-    """The tiny Qwen3 target saved as an HF directory (for CLI tests that load by path)."""
-    out = tmp_path_factory.mktemp("tiny_qwen3")
-    tiny_qwen3_target.model.save_pretrained(out)
-    tiny_qwen3_target.tokenizer.save_pretrained(out)
+def save_tiny_qwen3_dir(out: Path, tokenizer) -> Path:
+    """Save the seeded tiny Qwen3 over `tokenizer` as an HF directory (the `tiny_qwen3_dir` fixture;
+    also used by tests/golden/regenerate.py, which runs outside pytest)."""
+    model = tiny_qwen3(len(tokenizer))
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(smollm2_tokenizer, tmp_path_factory) -> Path:
+    """The tiny Qwen3 target saved as an HF directory (for CLI tests that load by path)."""
+    return save_tiny_qwen3_dir(tmp_path_factory.mktemp("tiny_qwen3"), smollm2_tokenizer)

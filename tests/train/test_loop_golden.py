@@ -1,0 +1,64 @@
+"""`train(cfg)` in this process, against a stored trajectory: the per-step loss, accuracies, grad
+norm and lr and the held-out simulated tau of a small real run (tests/golden/loop_golden.py) must
+match tests/golden/train_loop.json. Any change to the step, the data order, the schedule, the
+sources of taps or resume shows here as a named step and figure. Regenerate the file only for an
+intended change: `python tests/golden/regenerate.py`.
+
+Sensitivity, measured once by hand: optim.lr=6.06e-3 (+1%) moved the step-2 loss by ~1e-4 relative
+and the grad norms by ~1e-3 relative, 10x and 100x the tolerance (RTOL 1e-5).
+"""
+
+import os
+import signal
+
+import pytest
+from golden.loop_golden import CKPT_EVERY, STEPS, differences, golden_config, load_golden, trajectory
+
+from dflash_train.train.loop import train
+
+KEPT = ("train", "held_out", "steps", "tokens")
+
+
+@pytest.fixture(autouse=True)
+def contained(monkeypatch, tmp_path):
+    """train() installs SIGTERM/SIGINT handlers and points inductor's cache at the run's parent:
+    give both back to pytest afterwards."""
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"):
+        monkeypatch.setenv(var, str(tmp_path / "inductor") if var.endswith("DIR") else "1")
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)
+
+
+def golden() -> dict:
+    stored = load_golden()
+    return {k: stored[k] for k in KEPT}
+
+
+def assert_matches_golden(got: dict) -> None:
+    want = golden()
+    assert len({r["loss"] for r in want["train"].values()}) > 1  # the loss moves: the comparison is not vacuous
+    problems = differences(got, want)
+    assert not problems, "trajectory differs from tests/golden/train_loop.json:\n" + "\n".join(problems[:20])
+
+
+def test_training_reproduces_the_golden_trajectory(tiny_qwen3_dir, tmp_path):
+    out = tmp_path / "run"
+    result = train(golden_config(tiny_qwen3_dir, out))
+    assert result["steps"] == STEPS and (out / "drafter" / "config.json").is_file()
+    assert_matches_golden(trajectory(out, result))
+
+
+def test_a_run_stopped_after_a_checkpoint_resumes_onto_the_golden_trajectory(tiny_qwen3_dir, tmp_path, monkeypatch):
+    """A failure one step after the first checkpoint, then `train.resume=true`: the metrics file
+    (cut back to the checkpoint on resume) reads as the uninterrupted golden run."""
+    out = tmp_path / "run"
+    monkeypatch.setenv("DFLASH_INJECT_FAULT", f"raise:rank=0:step={CKPT_EVERY + 1}")
+    with pytest.raises(RuntimeError, match="injected fault"):
+        train(golden_config(tiny_qwen3_dir, out))
+    assert (out / "checkpoints" / f"step_{CKPT_EVERY:08d}").is_dir()
+    monkeypatch.delenv("DFLASH_INJECT_FAULT")
+    assert "DFLASH_INJECT_FAULT" not in os.environ
+    result = train(golden_config(tiny_qwen3_dir, out, "train.resume=true"))
+    assert_matches_golden(trajectory(out, result))
