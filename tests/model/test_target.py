@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.model.target import (Target, build_target_layer_ids, resolve_mask_token_id,
+from dflash_train.cache import MARKER
+from dflash_train.model.target import (Target, build_target_layer_ids, gguf_cache_dir, resolve_mask_token_id,
                                        resolve_target)
 from tests.conftest import tiny_qwen3
 
@@ -189,9 +190,6 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_eight_ranks_on_an_empty_cache_convert_the_gguf_once(tmp_path, monkeypatch):
-    from dflash_train.cache import MARKER
-    from dflash_train.model.target import gguf_cache_dir
-
     script = tmp_path / "load_on_every_rank.py"
     script.write_text(_LOAD_ON_EVERY_RANK)
     monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path / "cache"))  # empty
