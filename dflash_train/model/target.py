@@ -101,8 +101,9 @@ def converted_gguf_dir(path: str, gguf_file: str, log=print) -> Path:
 
 
 def _is_whole_hf_dir(directory: Path) -> bool:
-    """A conversion cached before completion markers existed is trusted if config (with its
-    model_type), weights and tokenizer are all there; the old converter renamed it into place whole."""
+    """Config (with its model_type), weights and tokenizer are all there. Also the rule for a
+    conversion cached before completion markers existed: the old converter renamed it into place
+    whole, but on a non-zero torch.distributed rank it held only the tokenizer (then rebuilt)."""
     try:
         has_type = "model_type" in json.loads((directory / "config.json").read_text())
     except (OSError, ValueError):
