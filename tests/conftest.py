@@ -13,11 +13,7 @@ def _smollm2_hf_dir() -> Path:
     """The cached HF conversion of the embedded SmolLM2 GGUF (converted on first use, ~40 s)."""
     from dflash_train.model import target as target_mod
 
-    path, gguf = target_mod.resolve_target("smollm2")
-    cached = target_mod.gguf_cache_dir(Path(path) / gguf)
-    if not cached.is_dir():
-        target_mod._convert_gguf_to_hf_dir(path, gguf, cached)
-    return cached
+    return target_mod.converted_gguf_dir(*target_mod.resolve_target("smollm2"))
 
 
 @pytest.fixture(scope="session")

@@ -27,11 +27,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from dflash_train import atomic
+from dflash_train import atomic, cache
 from dflash_train.data.conversations import TokenizedSample
 
 SCHEMA_VERSION = 1
 INDEX_NAME = "index.json"
+LOCK_NAME = ".prepare.lock"  # held by the one prepare writing the directory
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FORMATS = ("bf16", "fp8")
 
@@ -190,11 +191,19 @@ def prepare_shards(target, samples: list[TokenizedSample], out_dir: str | Path, 
     """Write `samples` with their taps as shards under `out_dir`; resumes a killed run (module doc).
 
     `on_shard(shard_number)` runs after each shard and its index entry are durably written.
+    A second prepare into a directory still being written is refused (`cache.CacheBusy`), never
+    interleaved: it holds the lock `out_dir/.prepare.lock` (released when its process dies).
     """
     if fmt not in FORMATS:
         raise ValueError(f"shard format {fmt!r}: expected one of {FORMATS}")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    with cache.exclusive(out_dir / LOCK_NAME, f"the shard directory {out_dir}", wait=False):
+        return _prepare_locked(target, samples, out_dir, layer_ids, fmt, shard_tokens, batch_tokens, target_name,
+                               on_shard)
+
+
+def _prepare_locked(target, samples: list[TokenizedSample], out_dir: Path, layer_ids, fmt: str, shard_tokens: int,
+                    batch_tokens: int, target_name: str | None, on_shard) -> PrepareReport:
     layer_ids = [int(i) for i in layer_ids]
     tap_width = len(layer_ids) * target.hidden_size
     meta = {"schema": SCHEMA_VERSION, "target": target_name or target.name, "layer_ids": layer_ids,

