@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.model.target import (Target, build_target_layer_ids, resolve_mask_token_id,
-                                       resolve_target)
+from dflash_train.model.taps import build_target_layer_ids
+from dflash_train.model.target import Target, resolve_mask_token_id, resolve_target
 from tests.conftest import tiny_qwen3
 
 
