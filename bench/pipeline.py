@@ -138,7 +138,8 @@ def main(argv=None) -> int:
 
     if topo.is_target:
         with b.phase("build target"):
-            from dflash_train.model.target import Target, build_target_layer_ids
+            from dflash_train.model.taps import build_target_layer_ids
+            from dflash_train.model.target import Target
 
             layer_ids = build_target_layer_ids(tcfg.num_hidden_layers, 5)
             from dflash_train.train.parallel import resolve_compile

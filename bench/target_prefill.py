@@ -56,7 +56,8 @@ def main(argv=None) -> int:
     st: dict = {}
 
     with b.phase("build"):
-        from dflash_train.model.target import Target, build_target_layer_ids
+        from dflash_train.model.taps import build_target_layer_ids
+        from dflash_train.model.target import Target
 
         cfg = C.target_config(a.small, a.layers)
         layer_ids = ([int(x) for x in a.taps.split(",")] if a.taps

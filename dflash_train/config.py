@@ -147,7 +147,7 @@ class EvalConfig:
     max_new_tokens: int = 128
     temperature: float = 0.0
     prompts: str | None = None
-    """JSONL prompts; None = the held-out default sets."""
+    """Prompt sets (eval/prompt_sets.py): e.g. `chitchat,assistant,humaneval` or a JSONL path; None = default."""
     sim_anchors_per_seq: int = 64
 
 

@@ -7,7 +7,8 @@ as the drafter training itself). The sample is built from the generated token id
 (prompt ids + response ids up to and including the end-of-turn token), so taps, ids and the
 loss mask line up exactly; nothing is decoded and re-tokenized.
 
-Taps come from incremental decoding with a KV cache, as at inference (`eval/spec_decode.py`).
+Taps come from incremental decoding with a KV cache, as at inference (`eval/spec_decode.py`), and
+are indexed as everywhere (`model/taps.py`).
 The last response token is never fed back, so its tap is zero: no training query sees it (context
 is strictly before an anchor, and an anchor needs a supervised token after it).
 
@@ -20,9 +21,16 @@ import time
 from dataclasses import dataclass
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm import tqdm
 
-from dflash_train.train.batching import Sample
+from dflash_train import atomic
+from dflash_train.data.conversations import prompt_messages, render_chat
+from dflash_train.data.records import Sample
+from dflash_train.data.regenerate import end_of_turn_ids
+from dflash_train.model.decoding import cache_kwarg, left_pad, mask_positions, new_cache
+from dflash_train.model.taps import select_taps
 
 
 @dataclass
@@ -31,10 +39,6 @@ class TappedSamples:
     taps: list[torch.Tensor]  # per sample [len, K*H], storage dtype
 
     def save(self, path) -> None:
-        from safetensors.torch import save_file
-
-        from dflash_train import atomic
-
         lengths = torch.tensor([len(s) for s in self.samples])
         tensors = {"lengths": lengths,
                    "input_ids": torch.tensor([t for s in self.samples for t in s.input_ids], dtype=torch.int32),
@@ -45,8 +49,6 @@ class TappedSamples:
 
     @classmethod
     def load(cls, path) -> "TappedSamples":
-        from safetensors import safe_open
-
         with safe_open(str(path), "pt") as f:
             ids = f.metadata()["ids"].split("\n")
             lengths = f.get_tensor("lengths").tolist()
@@ -60,16 +62,6 @@ class TappedSamples:
         return cls(samples, tap_list)
 
 
-def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r)
-        mask[i, width - len(r):] = 1
-    return ids, mask
-
-
 @torch.no_grad()
 def _generate_batch(target, prompts: list[list[int]], layer_ids: list[int], max_new_tokens: int,
                     stop_ids: list[int], storage_dtype: torch.dtype) -> list[tuple[list[int], list[int], torch.Tensor]]:
@@ -79,17 +71,14 @@ def _generate_batch(target, prompts: list[list[int]], layer_ids: list[int], max_
     (`DynamicCache.batch_select_indices`): on a CPU the cost of a decode step grows with the rows
     in it, and chat replies differ in length by 5x, so finished rows would waste most of the work.
     """
-    from dflash_train.eval.spec_decode import _cache_kwarg, new_cache
-
     model = target.model
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop_ids[0]
-    ids, mask = _left_pad(prompts, pad)
-    ids, mask = ids.to(target.device), mask.to(target.device)
-    cache, cache_arg = new_cache(), _cache_kwarg(type(model))
-    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+    ids, mask = (t.to(target.device) for t in left_pad(prompts, pad))
+    cache, cache_arg = new_cache(), cache_kwarg(type(model))
+    out = model(input_ids=ids, attention_mask=mask, position_ids=mask_positions(mask),
                 use_cache=True, output_hidden_states=True, logits_to_keep=1, **{cache_arg: cache})
     width = ids.shape[1]
-    prompt_taps = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)  # [b, P, K*H]
+    prompt_taps = select_taps(out.hidden_states, layer_ids)  # [b, P, K*H]
     responses = [[] for _ in prompts]
     fed_taps = [[] for _ in prompts]  # hidden state of each response token once it is fed back
     active = list(range(len(prompts)))
@@ -111,7 +100,7 @@ def _generate_batch(target, prompts: list[list[int]], layer_ids: list[int], max_
         mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
         out = model(input_ids=next_tok[:, None], attention_mask=mask, position_ids=positions[:, None],
                     use_cache=True, output_hidden_states=True, **{cache_arg: cache})
-        step_taps = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)[:, 0]  # [b', K*H]
+        step_taps = select_taps(out.hidden_states, layer_ids)[:, 0]  # [b', K*H]
         for j, row in enumerate(active):
             fed_taps[row].append(step_taps[j].to(storage_dtype))
         next_tok, positions = out.logits[:, -1].argmax(-1), positions + 1
@@ -132,9 +121,6 @@ def regenerate_with_taps(target, conversations, layer_ids: list[int], max_new_to
                          max_len: int, thinking: bool | None = None, min_loss_tokens: int = 2,
                          storage_dtype: torch.dtype = torch.bfloat16, heartbeat=None) -> tuple[TappedSamples, dict]:
     """Greedy target responses for every conversation's last user turn, with their taps."""
-    from dflash_train.data.conversations import render_chat
-    from dflash_train.data.regenerate import end_of_turn_ids, prompt_messages
-
     stop_ids = end_of_turn_ids(target)
     encoded = []
     for conv in conversations:

@@ -21,7 +21,9 @@ import torch
 from tqdm import tqdm
 
 from dflash_train.config import DataConfig, TargetConfig
-from dflash_train.data.conversations import Conversation, read_conversations, render_chat
+from dflash_train.data.conversations import prompt_messages, read_conversations, render_chat
+from dflash_train.data.records import Conversation
+from dflash_train.model.decoding import left_pad
 
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>", "<|end|>", "</s>")
 
@@ -35,15 +37,6 @@ class RegenReport:
     truncated: int = 0
     """Rows that hit `max_new_tokens` before an end-of-turn token."""
     seconds: float = 0.0
-
-
-def prompt_messages(messages: list[dict]) -> list[dict]:
-    """Everything up to and including the last user turn (a final assistant turn is dropped)."""
-    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-    if not users:
-        raise ValueError("a conversation without a user turn has no prompt to answer")
-    last_user = users[-1]
-    return [dict(m) for m in messages[: last_user + 1]]
 
 
 def read_done_ids(out_path: Path) -> set[str]:
@@ -82,22 +75,12 @@ def end_of_turn_ids(target) -> list[int]:
     return sorted(int(i) for i in ids)
 
 
-def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r)
-        mask[i, width - len(r):] = 1
-    return ids.to(device), mask.to(device)  # (b, W) each
-
-
 @torch.no_grad()
 def _generate(target, prompts: list[list[int]], max_new_tokens: int, temperature: float,
               stop_ids: list[int], seed: int) -> list[tuple[list[int], bool]]:
     """Batched generation; returns per row (new tokens before the stop token, stopped?)."""
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop_ids[0]
-    ids, mask = _left_pad(prompts, pad_id, target.device)
+    ids, mask = (t.to(target.device) for t in left_pad(prompts, pad_id))
     sample = temperature > 0
     kwargs = dict(do_sample=sample, max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id)
     if sample:

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from dflash_train import atomic, cache
-from dflash_train.data.conversations import TokenizedSample
+from dflash_train.data.records import TokenizedSample
 
 SCHEMA_VERSION = 1
 INDEX_NAME = "index.json"
@@ -406,7 +406,8 @@ def command(args: argparse.Namespace) -> int:
 
 def _prepare_from_args(args: argparse.Namespace) -> tuple[PrepareReport, str]:
     from dflash_train.data.conversations import read_conversations, tokenize_conversations
-    from dflash_train.model.target import build_target_layer_ids, load_target
+    from dflash_train.model.taps import build_target_layer_ids
+    from dflash_train.model.target import load_target
 
     thinking = None if args.thinking is None else args.thinking == "on"
     conversations, bad = read_conversations(args.data, args.skip_bad_rows, args.max_samples, args.seed)

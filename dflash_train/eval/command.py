@@ -11,6 +11,7 @@ import argparse
 import traceback
 
 from dflash_train.config import EvalConfig
+from dflash_train.eval.prompt_sets import load_prompt_sets
 
 _DEFAULTS = EvalConfig()
 
@@ -20,7 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", required=True, help="'smollm2', a .gguf file, or a local HF model directory")
     p.add_argument("--gguf-file", default=None, help="GGUF file name inside --target")
     p.add_argument("--prompts", default=_DEFAULTS.prompts,
-                   help="JSONL of ShareGPT/OpenAI conversations (default: the held-out assistant and chitchat sets)")
+                   help="prompt sets: default (assistant,chitchat), a comma list of chitchat, assistant, humaneval "
+                        "and JSONL paths of ShareGPT/OpenAI conversations")
     p.add_argument("--num-prompts", type=int, default=_DEFAULTS.num_prompts, help="prompts per set")
     p.add_argument("--max-new-tokens", type=int, default=_DEFAULTS.max_new_tokens)
     p.add_argument("--temperature", type=float, default=_DEFAULTS.temperature, help="0 = greedy")
@@ -34,22 +36,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default="dflash-eval", help="output directory for report.json and the plots")
     p.add_argument("--trust-remote-code", action="store_true")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def load_prompt_sets(prompts: str | None, num_prompts: int) -> dict[str, list[list[dict]]]:
-    """The default held-out sets, or one set named after the JSONL file; first `num_prompts` of each."""
-    if prompts is None:
-        from dflash_train.data.corpus import default_eval_prompts
-
-        sets = default_eval_prompts()
-    else:
-        from pathlib import Path
-
-        from dflash_train.data.conversations import read_conversations
-
-        convs, _ = read_conversations(prompts)
-        sets = {Path(prompts).stem: [c.messages for c in convs]}
-    return {name: msgs[:num_prompts] for name, msgs in sets.items()}
 
 
 def _run(args: argparse.Namespace) -> dict:

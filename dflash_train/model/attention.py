@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -87,8 +88,6 @@ def dense_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor) -> tor
 
 @functools.lru_cache(maxsize=None)
 def _compiled_create_block_mask():
-    from torch.nn.attention.flex_attention import create_block_mask
-
     return torch.compile(create_block_mask)
 
 
@@ -103,8 +102,6 @@ def flex_block_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, c
     """
     if analytic and spec.sliding_window is None:
         return analytic_block_mask(spec, anchors, keep)
-    from torch.nn.attention.flex_attention import create_block_mask
-
     def mask_mod(b, h, q, kv):
         return mask_rule(spec, anchors, keep, b, q, kv)
 
@@ -149,8 +146,6 @@ def analytic_block_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tenso
     Its mask_mod tests the two key intervals of `_query_intervals` (two gathers, four compares)
     instead of `mask_rule`: equal on every element (tests), 3 % faster fwd+bwd in the triton
     kernel, and free of the ops (clamp) that flex's CuteDSL backend cannot lower."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     if spec.sliding_window is not None:
         raise ValueError("analytic_block_mask covers full attention; sliding windows use create_block_mask")
     ctx_end, own = _query_intervals(spec, anchors, keep, -(-spec.q_len // tile) * tile)
@@ -213,8 +208,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, backend: str
     mask: a BlockMask (flex), a boolean [b|1, 1, Lq, Lk] (sdpa, dense), or None (no mask).
     """
     if backend == "flex":
-        from torch.nn.attention.flex_attention import flex_attention
-
         # K/V repeated to the query heads instead of enable_gqa: flex's GQA backward walks the
         # group's query heads inside each dK/dV program; repeated, fwd+bwd at the paper's shapes
         # (32/8 heads) took 3.10 instead of 3.43 ms per layer (bench/flex_tune.py --expanded-kv)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from dflash_train.model.attention import FULL, SLIDING
-from dflash_train.model.target import build_target_layer_ids
+from dflash_train.model.taps import build_target_layer_ids
 
 
 @dataclass(frozen=True, kw_only=True)

