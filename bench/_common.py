@@ -329,7 +329,7 @@ def synthetic_microbatch(rows: int, seq_len: int, num_anchors: int, vocab: int, 
         anchors[r], keep[r] = sample_anchors(loss_mask[r], num_anchors, torch.Generator().manual_seed(seed + r))
     taps = (torch.randn(rows, seq_len, taps_width, device=device, dtype=torch.float32)).to(taps_dtype)
     return MicroBatch([f"bench{seed}-{r}" for r in range(rows)], input_ids, loss_mask, loss_mask.clone(),
-                      anchors, keep, taps)
+                      anchors, keep, {"taps": taps})
 
 
 def mean_context(mb) -> float:
@@ -339,16 +339,15 @@ def mean_context(mb) -> float:
 
 
 def step_context(dcfg, embed, lm_head, device: torch.device, backend: str, chunk_tokens: int,
-                 dp_group=None, num_drafters: int = 1, compile_loss: bool = False):
+                 dp_group=None, num_drafters: int = 1, compile_loss: bool = False, persistent_masks=None):
     from dflash_train.config import derived_gamma
     from dflash_train.train.step import StepContext
 
-    return StepContext(embed_weight=embed, lm_head_weight=lm_head, block_size=dcfg.block_size,
-                       mask_token_id=dcfg.mask_token_id, layer_types=dcfg.layer_types,
-                       sliding_window=dcfg.sliding_window, gamma=derived_gamma(dcfg.block_size, None),
-                       chunk_tokens=chunk_tokens, backend=backend, device=device,
-                       autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
-                       dp_group=dp_group, num_drafters=num_drafters, compile_loss=compile_loss)
+    return StepContext(embed_weight=embed, lm_head_weight=lm_head, drafter=dcfg,
+                       gamma=derived_gamma(dcfg.block_size, None), chunk_tokens=chunk_tokens, backend=backend,
+                       device=device, autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+                       dp_group=dp_group, num_drafters=num_drafters, compile_loss=compile_loss,
+                       persistent_masks=persistent_masks)
 
 
 def frozen_embeddings(vocab: int, hidden: int, device: torch.device, dtype: torch.dtype, std: float = 0.02):

@@ -99,9 +99,6 @@ def main(argv=None) -> int:
         st["peak"] = peak
         b.figure("matmul_peak_tflops", peak / 1e12, label)
 
-    if a.compile_mode == "reduce-overhead":
-        persistent_mask_tensors()
-
     def step():
         from dflash_train.train.step import train_step
 
@@ -180,11 +177,12 @@ def main(argv=None) -> int:
 
 
 def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> dict:
-    """Random drafter (float32; bf16 once the master-weight optimizer takes it), frozen
+    """Random drafter (float32; bf16 once parallelize applies the master-weight param dtype), frozen
     embedding/lm_head and taps (target dtype), optimizer, the compiled model; returned in a dict so
     that dropping the dict frees them."""
     from dflash_train.config import OptimConfig
-    from dflash_train.train.optim import build_optimizer
+    from dflash_train.model.attention import PersistentMasks
+    from dflash_train.train.optim import build_optimizer, param_dtype
     from dflash_train.train.parallel import parallelize
 
     S, N, rows = a.seq_len, a.anchors, a.batch
@@ -195,13 +193,16 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
     mb = C.synthetic_microbatch(rows, S, N, tcfg.vocab_size, dcfg.num_taps * dcfg.hidden_size, taps_dtype, device)
     compile_loss = compiled if a.compile_loss is None else a.compile_loss
     b.info["compile_loss"] = compile_loss
-    ctx = C.step_context(dcfg, embed, lm_head, device, backend, a.chunk_tokens, compile_loss=compile_loss)
+    # CUDA graphs replay fixed addresses: keep the masks' tensors in place (attention.PersistentMasks)
+    persistent = PersistentMasks() if a.compile_mode == "reduce-overhead" else None
+    ctx = C.step_context(dcfg, embed, lm_head, device, backend, a.chunk_tokens, compile_loss=compile_loss,
+                         persistent_masks=persistent)
     if a.master_weights and device.type != "cuda":
         raise ValueError("--master-weights needs CUDA: the bf16 weights rely on bf16 autocast; CPU steps run in float32")
     optimizer, scheduler = build_optimizer(drafter.parameters(), OptimConfig(), 1000, master_weights=a.master_weights)
     b.info["master_weights"] = type(optimizer).__name__ != "AdamW"
     model = parallelize(drafter, device=device, compile_model=compiled, dp_group=None, num_drafters=1,
-                        compile_mode=a.compile_mode)
+                        param_dtype=param_dtype(optimizer), compile_mode=a.compile_mode)
     b.info["compile_mode"] = a.compile_mode
     flops = C.flops_for(tcfg, dcfg, seq_len=S, num_anchors=N, batch=rows, mean_ctx=C.mean_context(mb))
     params = sum(p.numel() for p in drafter.parameters())
@@ -212,36 +213,6 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
           f"{params / 1e6:.1f}M params; taps {tuple(mb.taps.shape)} {taps_dtype}")
     return dict(tcfg=tcfg, dcfg=dcfg, drafter=drafter, mb=mb, ctx=ctx, optimizer=optimizer, scheduler=scheduler,
                 model=model, flops=flops)
-
-
-def persistent_mask_tensors() -> None:
-    """For CUDA graphs (--compile-mode reduce-overhead): a graph replays fixed addresses, and both
-    the BlockMask's tile tensors and the tensors its mask_mod captures (each query's key
-    intervals) are taken as static inputs, so new tensors each step force a re-recording (0.175
-    s/step, PERF.md 3.2; TORCH_LOGS=cudagraphs names them). Copy each step's values into the
-    tensors of the first step instead (an experiment: the trainer has no CUDA-graph mode)."""
-    from dflash_train.model import attention
-
-    build_intervals, build_mask, kept = attention._query_intervals, attention.analytic_block_mask, {}
-
-    def intervals_into_buffers(*args, **kwargs):
-        fresh = build_intervals(*args, **kwargs)
-        buffers = kept.setdefault(tuple(t.shape for t in fresh), tuple(torch.empty_like(t) for t in fresh))
-        for buffer, t in zip(buffers, fresh):
-            buffer.copy_(t)
-        return buffers
-
-    def mask_into_first(*args, **kwargs):
-        fresh = build_mask(*args, **kwargs)
-        first = kept.setdefault(("mask", fresh.shape), fresh)
-        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
-                     "q_indices", "full_q_num_blocks", "full_q_indices"):
-            if first is not fresh and getattr(fresh, name, None) is not None:
-                getattr(first, name).copy_(getattr(fresh, name))
-        return first
-
-    attention._query_intervals = intervals_into_buffers
-    attention.analytic_block_mask = mask_into_first
 
 
 def attention_ratio(b: C.Bench, dcfg, mb, device: torch.device, dtype: torch.dtype, reps: int) -> None:

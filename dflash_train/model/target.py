@@ -256,21 +256,19 @@ class Target:
         return taps
 
     def compile_layers(self) -> None:
-        """Compile each decoder layer's `forward` (not its `__call__`): the tap hooks, which stop the
-        forward by raising, stay outside the compiled frames. The layers share one code object and
-        dynamo inlines nn.Modules (guards on shapes, not identities), so one graph serves every
-        layer of a shape. On an H200 the eager norms, RoPE and SwiGLU were a third of a prefill's
-        device time (docs/PERF.md). Static shapes: for training taps, not for generation.
+        """Compile the parts of each decoder layer (attention, MLP, norms) with `Module.compile`;
+        the layer's own call stays eager, so the tap hooks on it (which stop the forward by
+        raising) run outside the compiled frames. Dynamo inlines nn.Modules (guards on shapes, not
+        identities), so one graph per kind of part serves every layer. On an H200 the eager norms,
+        RoPE and SwiGLU were a third of a prefill's device time (docs/PERF.md). Static shapes: for
+        training taps, not for generation; run generation under
+        `torch.compiler.set_stance("force_eager")`, which skips the compiled code.
         An HF call with output_hidden_states/output_attentions installs capture hooks on the
         attention modules that dynamo cannot trace (a graph break per layer, reported by the
         compile-health check): the trainer never makes one on the target it compiles."""
         for layer in self.layers:
-            layer.forward = torch.compile(layer.forward, dynamic=False)
-
-    def eager_layers(self) -> None:
-        """Undo `compile_layers` (generation and evaluation run eager: their shapes change each step)."""
-        for layer in self.layers:
-            layer.__dict__.pop("forward", None)
+            for part in layer.children():
+                part.compile(dynamic=False)
 
     def _record_hook(self, layer_id: int, recorded: dict, stop: bool):
         def hook(module, args, output):

@@ -172,6 +172,12 @@ class LossStats:
     accepted_sum: torch.Tensor  # sum over blocks of leading correct slots (greedy acceptance)
     block_count: torch.Tensor  # blocks with at least slot 1 valid
 
+    def __add__(self, other: "LossStats") -> "LossStats":
+        return LossStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+
+    def detach(self) -> "LossStats":
+        return LossStats(**{f.name: getattr(self, f.name).detach() for f in fields(self)})
+
     def flat(self) -> torch.Tensor:
         return torch.cat([getattr(self, f.name).float().reshape(-1) for f in fields(self)])
 

@@ -23,6 +23,7 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._truncate_after(start_step)
         if tensorboard:
+            # optional dependency (the tensorboard package), imported only when asked for
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=start_step + 1)

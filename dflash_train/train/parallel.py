@@ -1,6 +1,7 @@
-"""Apply compilation and data parallelism to a pure drafter, in this order: compile, then DDP.
+"""Apply precision, data parallelism and compilation to a pure drafter, in that order.
 
-The model file knows nothing of either. Compilation happens once per process (never in threads),
+The model file knows nothing of them; `parallelize` is the one place that sets the drafter's
+parameter dtype. Compilation happens once per process (never in threads),
 with static shapes, and writes its kernels to a shared on-disk inductor cache so later processes
 (other ranks, a resumed job) reuse them instead of compiling again.
 """
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def use_shared_compile_cache(cache_dir: str | Path) -> Path:
@@ -42,17 +44,27 @@ def resolve_backend(setting: str, device: torch.device) -> str:
     return setting
 
 
+def apply_precision(module: nn.Module, param_dtype: torch.dtype | None) -> None:
+    """Cast the parameters (not the buffers) in place, keeping the Parameter objects the optimizer
+    holds. bf16 under MasterWeightAdamW, whose float32 masters were copied before (`optim.param_dtype`)."""
+    if param_dtype is None:
+        return
+    for p in module.parameters():
+        p.data = p.data.to(param_dtype)
+
+
 def parallelize(drafter: nn.Module, *, device: torch.device, compile_model: bool, dp_group, num_drafters: int,
-                recompile_limit: int = 16, compile_mode: str | None = None) -> nn.Module:
-    """Return the module the training step calls: DDP-wrapped if D > 1, then compiled (optional).
+                param_dtype: torch.dtype | None = None, recompile_limit: int = 16,
+                compile_mode: str | None = None) -> nn.Module:
+    """Return the module the training step calls: parameters cast to `param_dtype` (None: as
+    they are), DDP-wrapped if D > 1, then compiled (optional).
 
     Compiling the DDP module (not wrapping a compiled one) lets dynamo's DDP optimizer split the
     graph at gradient-bucket boundaries, so all-reduces overlap the backward.
     """
+    apply_precision(drafter, param_dtype)
     model = drafter
     if num_drafters > 1:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, process_group=dp_group,
                     gradient_as_bucket_view=True)
     if compile_model:

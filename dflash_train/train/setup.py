@@ -6,6 +6,7 @@ with no hidden state.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,15 +14,40 @@ import torch.distributed as dist
 
 from dflash_train.config import RunConfig, derived_gamma
 from dflash_train.data.anchors import all_anchors
+from dflash_train.data.dataset import load_samples, prepare_samples, split_held_out
+from dflash_train.data.dataset import prepare_tapped as prepare_tapped_samples
+from dflash_train.data.shards import ShardReader
 from dflash_train.model.config import DrafterConfig, drafter_config_from_target
 from dflash_train.model.drafter import DFlashDrafter
+from dflash_train.model.target import resolve_mask_token_id
 from dflash_train.train.batching import MicroBatch, Sample, padded_length
+from dflash_train.train.taps import StoredRows, TapsSpec
 from dflash_train.train.topology import Topology
+from dflash_train.train.vocab import vocab_subset
+
+
+@dataclass(frozen=True)
+class Data:
+    """The run's samples; `stored` holds (train, held-out) per-sample target tensors when the data
+    came with them (regenerate + tap, or offline shards), else None."""
+
+    train: list[Sample]
+    held_out: list[Sample]
+    stored: tuple[StoredRows, StoredRows] | None = None
+
+
+def load_data(cfg: RunConfig, topo: Topology, target, layer_ids, spec: TapsSpec, work_dir: Path, log,
+              heartbeat=None) -> Data:
+    """Samples from shards (offline), from a regenerate + tap pass (one colocated process), or
+    tokenized conversations (prepared once by the main drafter rank)."""
+    if topo.reads_shards:
+        return samples_from_shards(cfg, layer_ids, spec, log)
+    if taps_from_regeneration(cfg, topo):
+        return prepare_tapped(cfg, target, layer_ids, work_dir, log, heartbeat)
+    return Data(*load_or_build_samples(cfg, target, topo, work_dir, log, heartbeat=heartbeat))
 
 
 def build_drafter_config(cfg: RunConfig, target) -> DrafterConfig:
-    from dflash_train.model.target import resolve_mask_token_id
-
     mask_id = resolve_mask_token_id(target.tokenizer, target.vocab_size, cfg.drafter.mask_token_id)
     dcfg = drafter_config_from_target(target.config, num_layers=cfg.drafter.num_layers,
                                       block_size=cfg.drafter.block_size, mask_token_id=mask_id,
@@ -73,8 +99,6 @@ def _copy_from_target(drafter: DFlashDrafter, target) -> None:
 
 def load_or_build_samples(cfg: RunConfig, target, topo: Topology, work_dir: Path, log, heartbeat=None):
     """The main drafter rank prepares (and caches) the samples; every other rank waits, then reads."""
-    from dflash_train.data.dataset import load_samples, prepare_samples
-
     path = None
     if topo.is_main or not topo.distributed:
         path = prepare_samples(cfg.data, target, cfg.target.model, work_dir, cfg.train.seed, log, heartbeat)
@@ -87,34 +111,18 @@ def load_or_build_samples(cfg: RunConfig, target, topo: Topology, work_dir: Path
 
 def taps_from_regeneration(cfg: RunConfig, topo: Topology) -> bool:
     """Regenerate + tap in one pass: single-process colocated runs that regenerate their data."""
-    return cfg.data.regenerate and cfg.data.tap_during_regeneration and topo.mode == "colocated" \
+    return cfg.data.regenerate and cfg.data.tap_during_regeneration and topo.target_in_process \
         and not topo.distributed
 
 
-def prepare_tapped(cfg: RunConfig, target, layer_ids, work_dir: Path, log, heartbeat=None):
-    from dflash_train.data.dataset import prepare_tapped as prepare
-
-    return prepare(cfg.data, target, cfg.target.model, layer_ids, work_dir, cfg.train.seed, log, heartbeat)
-
-
-class ShardTaps:
-    """Taps of selected shard rows, read from disk when a step needs them (shards can be TBs)."""
-
-    def __init__(self, reader, rows: list[int]):
-        self.reader, self.rows = reader, rows
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.reader.sample(self.rows[i])["taps"]
-
-    def __iter__(self):
-        return (self[i] for i in range(len(self.rows)))
+def prepare_tapped(cfg: RunConfig, target, layer_ids, work_dir: Path, log, heartbeat=None) -> Data:
+    (train, train_taps), (held_out, held_out_taps) = prepare_tapped_samples(
+        cfg.data, target, cfg.target.model, layer_ids, work_dir, cfg.train.seed, log, heartbeat)
+    return Data(train, held_out, (StoredRows.in_memory(train_taps), StoredRows.in_memory(held_out_taps)))
 
 
-def samples_from_shards(cfg: RunConfig, layer_ids: list[int], log):
+def samples_from_shards(cfg: RunConfig, layer_ids: list[int], spec: TapsSpec, log) -> Data:
     """Offline mode: samples from `dflash-train prepare` shards, split by id hash; taps stay on disk."""
-    from dflash_train.data.dataset import split_held_out
-    from dflash_train.data.shards import ShardReader
-
     reader = ShardReader(cfg.data.shards, seed=cfg.train.seed, dtype=torch.float32)
     if reader.layer_ids != list(layer_ids):
         raise ValueError(f"data.shards {cfg.data.shards}: tapped layers {reader.layer_ids} differ from the "
@@ -125,15 +133,8 @@ def samples_from_shards(cfg: RunConfig, layer_ids: list[int], log):
         samples.append(Sample(row["id"], tuple(row["input_ids"].tolist()), tuple(row["loss_mask"].tolist())))
     (train, train_rows), (held_out, held_out_rows) = split_held_out(samples, cfg.data.eval_fraction)
     log(f"data: {len(train)} train / {len(held_out)} held-out samples from shards {cfg.data.shards}")
-    return (train, ShardTaps(reader, train_rows)), (held_out, ShardTaps(reader, held_out_rows))
-
-
-def fill_eval_taps(eval_mbs: list[MicroBatch], taps: list[torch.Tensor], dtype: torch.dtype) -> None:
-    """Held-out micro-batches (one sample each, in order) get their stored taps, zero-padded."""
-    for mb, row in zip(eval_mbs, taps):
-        mb.taps = torch.zeros(*mb.input_ids.shape, row.shape[-1], dtype=dtype)
-        n = min(row.shape[0], mb.input_ids.shape[1])
-        mb.taps[0, :n] = row[:n].to(dtype)
+    return Data(train, held_out, (StoredRows.from_shards(reader, spec.names, train_rows),
+                                  StoredRows.from_shards(reader, spec.names, held_out_rows)))
 
 
 def eval_batches(samples: list[Sample], num_anchors: int, pad_multiple: int, max_len: int,
@@ -157,8 +158,6 @@ def train_vocab_of(cfg: RunConfig, samples: list[Sample], vocab_size: int, log):
     the lowest ids), or None for the full vocabulary."""
     if cfg.loss.train_vocab is None:
         return None
-    from dflash_train.train.vocab import vocab_subset
-
     vocab = vocab_subset((s.input_ids for s in samples), vocab_size, cfg.loss.train_vocab)
     log(f"loss: training softmax over {vocab.ids.numel()} of {vocab_size} tokens (loss.train_vocab); "
         "held-out and real eval use all of them")
