@@ -33,6 +33,7 @@ from dflash_train.train.sources import (CollateArgs, ColocatedSource, RemoteSour
                                         serve_taps)
 from dflash_train.train.step import StepContext, forward_stats, reduce_stats, to_device, train_step
 from dflash_train.train.topology import init_distributed, pick_device, topology_from_env
+from dflash_train.validate import validate_run
 
 PAD_MULTIPLE = 64  # uncompiled runs pad lengths to this multiple; compiled runs pad to max_len (static)
 AGREE_EVERY = 4  # several drafter ranks agree on stopping (signal, time budget) every this many steps
@@ -78,7 +79,7 @@ class StopFlag:
 
 def train(cfg: RunConfig) -> dict:
     topo = topology_from_env(cfg.topology.mode, cfg.topology.target_ranks)
-    setup.validate_run(cfg, topo)
+    validate_run(cfg, topo)
     device = pick_device(topo)
     dp_group = init_distributed(topo, device)
     out_dir = Path(cfg.train.out_dir)
