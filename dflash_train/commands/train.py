@@ -11,8 +11,8 @@ from __future__ import annotations
 import os
 
 from dflash_train.commands import Alias, Verdict
-from dflash_train.validate import check_topology, validate_run, world_size_from_env
 from dflash_train.config import ConfigError
+from dflash_train.validate import check_topology, validate_run, world_size_from_env
 
 HELP = "train a drafter (default: the embedded SmolLM2 recipe, on CPU)"
 RECIPE = "default"
