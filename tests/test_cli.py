@@ -74,7 +74,8 @@ def test_recipe_works_for_every_command(name, capsys):
     default = printed_config(capsys, name)
     assert default == json.loads((RunConfig() if name != "train" else cli.recipes.get("default")).to_json())
     assert cli.main([name, "--recipe", "nope", "--print-config"]) == 2
-    assert f"dflash-train {name}: FAILED: unknown recipe 'nope'; available: default, paper, tiny" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert f"dflash-train {name}: FAILED: unknown recipe 'nope'; available: default, paper, tiny" in text
 
 
 def test_usage_errors_end_with_the_verdict_line(capsys):
@@ -149,7 +150,8 @@ def test_verdicts_and_exit_codes(fake_command, capsys):
     assert cli.main(["fake", "--steps", "7"]) == 0
     assert capsys.readouterr().out == "dflash-train fake: OK did it\n" and calls == ["validate", ("run", 7)]
     module.outcome = Verdict("(stopped by SIGTERM)", "INTERRUPTED", 3)
-    assert cli.main(["fake"]) == 3 and capsys.readouterr().out == "dflash-train fake: INTERRUPTED (stopped by SIGTERM)\n"
+    assert cli.main(["fake"]) == 3
+    assert capsys.readouterr().out == "dflash-train fake: INTERRUPTED (stopped by SIGTERM)\n"
     module.outcome = ValueError("data.jsonl:3: bad JSON")
     assert cli.main(["fake"]) == 1
     out, err = capsys.readouterr()

@@ -56,7 +56,8 @@ def test_fractions_in_range(key, bad, good):
 
 
 def test_block_size_at_least_two_betas_and_layer_ids():
-    fires(validate.validate_config, with_(RunConfig(), "drafter.block_size", 1), match="drafter.block_size=1: must be >= 2")
+    fires(validate.validate_config, with_(RunConfig(), "drafter.block_size", 1),
+          match="drafter.block_size=1: must be >= 2")
     fires(validate.validate_config, with_(RunConfig(), "eval.block_size", 1), match="eval.block_size=1: must be >= 2")
     fires(validate.validate_config, with_(RunConfig(), "optim.betas", (0.9, 1.0)), match="optim.betas=(0.9, 1.0)")
     fires(validate.validate_config, with_(RunConfig(), "target.layer_ids", (1, -2)), match="target.layer_ids=(1, -2)")
@@ -83,7 +84,8 @@ def test_the_issue_layout_names_the_nearest_valid_batch():
 def test_target_ranks_must_leave_a_drafter_rank():
     cfg = apply_overrides(recipes.get("tiny"), ["topology.mode=disaggregated", "topology.target_ranks=8"])
     fires(validate.validate_run, cfg, Topology("disaggregated", 8, 0, 0, 7),
-          match="topology.target_ranks=8 leaves no drafter rank in a world of 8 processes: use topology.target_ranks=1..7")
+          match="topology.target_ranks=8 leaves no drafter rank in a world of 8 processes: "
+                "use topology.target_ranks=1..7")
     assert "topology.mode=disaggregated needs at least 2 processes" in validate.check_topology(cfg, 1)[0]
     assert validate.check_topology(with_(cfg, "topology.target_ranks", 7), 8) == []
 
@@ -105,7 +107,7 @@ def test_offline_needs_prepared_shards(tmp_path):
     shards = with_(offline, "data.shards", str(tmp_path))
     fires(validate.validate_run, shards, topo, match=f"data.shards={tmp_path}: no index.json there")
     (tmp_path / "index.json").write_text("{}")
-    validate.validate_run(with_(shards, "data.train", str(tmp_path / "unused.jsonl")), topo)  # offline reads no data.train
+    validate.validate_run(with_(shards, "data.train", str(tmp_path / "unused.jsonl")), topo)  # not read offline
 
 
 def test_inputs_that_must_exist(tmp_path):
@@ -134,4 +136,5 @@ def test_command_requirements(tmp_path):
     spec = with_(with_(with_(cfg, "export.drafter", str(tmp_path)), "export.out", "o"), "export.format", "speculators")
     validate.validate_export(spec)
     fires(validate.validate_export, with_(spec, "target.model", "/no/target"), match="target.model=/no/target")
-    fires(validate.validate_doctor, with_(cfg, "doctor.stages", ("disk", "dsik")), match="doctor.stages: unknown stage(s) dsik")
+    fires(validate.validate_doctor, with_(cfg, "doctor.stages", ("disk", "dsik")),
+          match="doctor.stages: unknown stage(s) dsik")
