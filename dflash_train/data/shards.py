@@ -14,7 +14,6 @@ file, fsync'd and renamed, so a killed prepare resumes after the last complete s
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import shutil
@@ -363,65 +362,3 @@ class ShardReader:
                 raise ValueError(f"reader state has {key}={state[key]}, this reader {self.state_dict()[key]}: "
                                  "an exact resume needs the same shards, seed and world size")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI: dflash-train prepare
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dflash_train.config import DataConfig, DrafterConfigSpec, TargetConfig
-
-    data = DataConfig()
-    p.add_argument("--target", default=TargetConfig().model, help="smollm2, an HF dir, a cached hub id, or a .gguf")
-    p.add_argument("--data", required=True, help="JSONL / parquet / HF dataset dir with assistant turns "
-                   "(e.g. the output of dflash-train regenerate)")
-    p.add_argument("--out", required=True, help="shard directory (resumes an interrupted prepare)")
-    p.add_argument("--format", choices=FORMATS, default="bf16", help="taps storage: bf16, or fp8 e4m3 + row scale")
-    p.add_argument("--layer-ids", default=None, help="comma-separated tap ids (z-lab semantics); default z-lab ids")
-    p.add_argument("--num-taps", type=int, default=DrafterConfigSpec().num_taps)
-    p.add_argument("--max-len", type=int, default=data.max_len)
-    p.add_argument("--min-loss-tokens", type=int, default=data.min_loss_tokens)
-    p.add_argument("--thinking", choices=("on", "off"), default=None)
-    p.add_argument("--skip-bad-rows", action="store_true")
-    p.add_argument("--max-samples", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shard-mb", type=float, default=512.0, help="approximate shard size in MiB")
-    p.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per target forward")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="auto")
-
-
-def command(args: argparse.Namespace) -> int:
-    """Run `dflash-train prepare`; ends with a verdict line."""
-    try:
-        report, out = _prepare_from_args(args)
-    except Exception as e:  # the verdict line must name the cause, whatever it is
-        print(f"dflash-train prepare: FAILED: {type(e).__name__}: {e}", flush=True)
-        return 1
-    print(f"dflash-train prepare: OK {report.samples} samples, {report.tokens} tokens in {report.shards} shards "
-          f"({report.bytes / 2**20:.1f} MiB) at {out}; {report.resumed_after} were already done", flush=True)
-    return 0
-
-
-def _prepare_from_args(args: argparse.Namespace) -> tuple[PrepareReport, str]:
-    from dflash_train.data.conversations import read_conversations, tokenize_conversations
-    from dflash_train.model.taps import build_target_layer_ids
-    from dflash_train.model.target import load_target
-
-    thinking = None if args.thinking is None else args.thinking == "on"
-    conversations, bad = read_conversations(args.data, args.skip_bad_rows, args.max_samples, args.seed)
-    target = load_target(args.target, dtype=args.dtype, device=args.device)
-    samples, bad = tokenize_conversations(target.tokenizer, conversations, args.max_len, args.min_loss_tokens,
-                                          thinking, bad)
-    print(f"prepare: {len(samples)} samples from {len(conversations)} conversations; {bad.summary()}", flush=True)
-    if not samples:
-        raise ValueError(f"no sample has {args.min_loss_tokens}+ supervised tokens ({bad.summary()}); "
-                         "prompt-only data (such as 'default') needs `dflash-train regenerate` first")
-    layer_ids = ([int(x) for x in args.layer_ids.split(",")] if args.layer_ids
-                 else build_target_layer_ids(target.num_layers, args.num_taps))
-    tap_width = len(layer_ids) * target.hidden_size
-    shard_tokens = max(1, int(args.shard_mb * 2**20) // bytes_per_token(tap_width, args.format))
-    report = prepare_shards(target, samples, args.out, layer_ids, args.format, shard_tokens,
-                            args.batch_tokens, target_name=args.target)
-    return report, args.out

@@ -37,6 +37,7 @@ from dflash_train.train.sources import CollateArgs, Feed, TapsSource, TargetServ
 from dflash_train.train.step import StepContext, forward_stats, reduce_stats, train_step
 from dflash_train.train.taps import taps_spec
 from dflash_train.train.topology import Topology, init_distributed, pick_device, topology_from_env
+from dflash_train.validate import validate_run
 
 PAD_MULTIPLE = 64  # uncompiled runs pad lengths to this multiple; compiled runs pad to max_len (static)
 AGREE_EVERY = 4  # several drafter ranks agree on stopping (signal, time budget) every this many steps
@@ -90,7 +91,7 @@ class Training:
 
 def train(cfg: RunConfig) -> dict:
     topo = topology_from_env(cfg.topology.mode, cfg.topology.target_ranks)
-    setup.validate_run(cfg, topo)
+    validate_run(cfg, topo)
     faults = FaultPlan.from_env()
     device = pick_device(topo)
     dp_group = init_distributed(topo, device)

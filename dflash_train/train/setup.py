@@ -173,17 +173,6 @@ def total_steps_of(cfg: RunConfig, steps_per_epoch: int) -> int:
     return min(by_epochs, cfg.train.max_steps) if cfg.train.max_steps else by_epochs
 
 
-def validate_run(cfg: RunConfig, topo: Topology) -> None:
-    if cfg.loss.kind != "ce":
-        raise ValueError(f"loss.kind={cfg.loss.kind!r}: the training pipeline supports 'ce' so far; the teacher "
-                         "losses exist in train/loss.py (block_loss with teacher_hidden / teacher argmax labels)")
-    if topo.mode == "disaggregated" and cfg.train.max_minutes:
-        raise ValueError("train.max_minutes needs mode=colocated: target ranks must know the step count in "
-                         "advance; set train.max_steps instead")
-    if topo.mode == "offline" and not cfg.data.shards:
-        raise ValueError("topology.mode=offline needs data.shards=DIR (written by `dflash-train prepare`)")
-
-
 def describe(cfg: RunConfig, dcfg: DrafterConfig, topo: Topology, n_train: int, n_eval: int, total: int,
              accum: int, backend: str, compiled: bool, taps_bytes_per_token: int) -> str:
     lines = [

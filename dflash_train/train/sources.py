@@ -19,7 +19,6 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
-import torch
 import torch.distributed as dist
 
 from dflash_train.train.balance import ComputeTimer
