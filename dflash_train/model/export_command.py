@@ -24,13 +24,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def command(args: argparse.Namespace) -> int:
-    from dflash_train.model.hf_format import load_zlab, save_speculators, save_zlab
+    from dflash_train.model.hf_format import export_drafter, load_zlab, save_speculators
 
     try:
         drafter = load_zlab(args.drafter)
         dtype = DTYPES[args.dtype]
         if args.format == "zlab":
-            out = save_zlab(drafter, args.out, dtype=dtype)
+            out = export_drafter(drafter, args.out, args.target, dtype=dtype)  # records the target, checks
         else:
             if not args.target:
                 raise ValueError("--format speculators needs --target (its embedding and lm_head are stored)")
