@@ -138,6 +138,10 @@ def drafter_config_from_target(target_config, *, num_layers: int, block_size: in
     heads = cfg.num_attention_heads
     n_target = cfg.num_hidden_layers
     ids = list(target_layer_ids) if target_layer_ids is not None else build_target_layer_ids(n_target, num_taps)
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        raise ValueError(f"target_layer_ids {ids} are not strictly increasing (the engines capture each layer "
+                         f"once): a target of {n_target} layers has {max(n_target - 3, 1)} distinct z-lab taps "
+                         "in [1, L-3]; lower drafter.num_taps or set target.layer_ids")
     last_tap = last_layer_tap_problem(ids, n_target)
     if last_tap:
         raise ValueError(last_tap)

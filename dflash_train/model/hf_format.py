@@ -37,7 +37,8 @@ KNOWN_KEYS = {
 }
 
 
-def zlab_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16, trained_against: dict | None = None) -> dict:
+def zlab_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16,
+                     trained_against: dict | None = None) -> dict:
     """The config.json of a z-lab DFlash drafter (key order as in the published Qwen3-8B one).
 
     `trained_against` (the target's identity, `TargetInfo.provenance()`) goes into

@@ -238,8 +238,8 @@ def check_target_identity(d: dict, target: TargetInfo) -> list[Failure]:
     out = []
     trained = f"{rec.get('name')} ({rec.get('quantization') or 'unquantised'}, {rec.get('path')})"
     if rec.get("config_sha256") != target.config_sha256:
-        out.append(Failure("target.config", f"{target.name} ({target.path}) has config {target.config_sha256}, "
-                                            f"the drafter was trained against {trained} with {rec.get('config_sha256')}"))
+        out.append(Failure("target.config", f"{target.name} ({target.path}) has config {target.config_sha256}, the "
+                                            f"drafter was trained against {trained}: {rec.get('config_sha256')}"))
     if rec.get("weights_fingerprint") != target.weights_fingerprint:
         out.append(Failure("target.weights", f"{target.name} ({target.path}) is not the model the drafter was "
                                              f"trained against ({trained}): {serve_note(rec)}"))

@@ -11,7 +11,6 @@ import argparse
 import os
 import sys
 import traceback
-from pathlib import Path
 
 from dflash_train import recipes
 from dflash_train.config import apply_overrides
@@ -24,28 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", help="section.field=value, e.g. train.max_steps=100")
 
 
-def serving_commands(drafter_dir: str, target: str, block_size: int) -> str:
-    spec = ('{"method": "dflash", "model": "%s", "num_speculative_tokens": %d}' % (drafter_dir, block_size - 1))
-    return (f"  vLLM:   vllm serve {target} --speculative-config '{spec}' --attention-backend flash_attn\n"
-            f"  SGLang: python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-            f"--speculative-draft-model-path {drafter_dir} --speculative-num-draft-tokens {block_size}")
-
-
-def served_target(target_cfg) -> str:
-    """What a serving engine should load as the target: the hub id of the embedded SmolLM2, the
-    HF directory this tool converted a GGUF file into (safetensors + tokenizer, which vLLM and
-    SGLang load as is), or the model path as given."""
-    if target_cfg.model == "smollm2":
-        return "HuggingFaceTB/SmolLM2-135M-Instruct"
-    from dflash_train.model.target import gguf_cache_dir, resolve_target
-
-    path, gguf_file = resolve_target(target_cfg.model, target_cfg.gguf_file)
-    if gguf_file is not None and gguf_cache_dir(Path(path) / gguf_file).is_dir():
-        return str(gguf_cache_dir(Path(path) / gguf_file))
-    return target_cfg.model
-
-
-def _summary(cfg, result: dict) -> str:
+def _summary(result: dict) -> str:
     sim = result.get("sim") or {}
     lines = [f"trained {result['steps']}/{result['total_steps']} steps, {result['tokens']} tokens; "
              f"held-out simulated tau {sim.get('sim_tau', float('nan')):.3f}"]
@@ -55,8 +33,9 @@ def _summary(cfg, result: dict) -> str:
     lines.append(f"checkpoint: {result.get('checkpoint')}\ndrafter (z-lab format): {result.get('export')}")
     if result.get("report"):
         lines.append(f"report: {result['report']}")
-    lines.append("serve it with:\n" + serving_commands(result.get("export", "DRAFTER_DIR"), served_target(cfg.target),
-                                                         cfg.drafter.block_size))
+    from dflash_train.model.serving_check import serve_instructions  # torch: not for --print-config
+
+    lines.append(serve_instructions(result["export"]))  # the recorded training target, block_size - 1 tokens
     return "\n".join(lines)
 
 
@@ -83,7 +62,7 @@ def command(args: argparse.Namespace) -> int:
             os._exit(1)  # do not wait on peers that may be blocked in a collective: torchrun ends the job
         return 1
     if result.get("role") == "drafter" and "export" in result:
-        print(_summary(cfg, result), flush=True)
+        print(_summary(result), flush=True)
     status = "INTERRUPTED" if result.get("interrupted") else "OK"
     print(f"dflash-train train: {status} (rank {os.environ.get('RANK', '0')}, {result.get('role')}, "
           f"{result.get('steps', '-')} steps)", flush=True)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from dflash_train.config import RunConfig
 from dflash_train.diagnostics.watchdog import Watchdog
-from dflash_train.model.hf_format import load_zlab, save_zlab
+from dflash_train.model.hf_format import export_drafter, load_zlab
 from dflash_train.train import balance, setup
 from dflash_train.train.balance import ComputeTimer
 from dflash_train.train.batching import BatchPlan, StepSampler
@@ -260,7 +260,7 @@ def _train_drafter(run: Run) -> dict:
               "sim": last_sim, "interrupted": run.stop.signal, "out_dir": str(run.out_dir)}
     if topo.is_main:
         best = run.checkpointer.best() or run.checkpointer.latest()
-        result["export"] = str(_export(best, run.out_dir, log))
+        result["export"] = str(_export(best, run.out_dir, log, cfg.target))
         result["checkpoint"] = str(best)
         if cfg.eval.num_prompts > 0 and topo.mode == "colocated" and not run.stop():
             with run.watchdog.stage("real speculative decoding eval"):
@@ -460,10 +460,10 @@ def _recv_eval_taps(eval_mbs, topo, width, dtype, device) -> None:
         dist.recv(mb.taps, src=topo.target_ranks[0])
 
 
-def _export(checkpoint: Path, out_dir: Path, log) -> Path:
-    """The serving artefact: the chosen checkpoint's drafter in bf16, z-lab format."""
+def _export(checkpoint: Path, out_dir: Path, log, target_cfg) -> Path:
+    """The serving artefact: the chosen checkpoint's drafter in bf16, z-lab format, checked."""
     drafter = load_zlab(checkpoint / "drafter", device="cpu")  # weights only: no optimizer state read
-    path = save_zlab(drafter, out_dir / "drafter", dtype=torch.bfloat16)
+    path = export_drafter(drafter, out_dir / "drafter", target_cfg.model, target_cfg.gguf_file, log=log)
     log(f"exported z-lab drafter {path} (from {checkpoint.name})")
     return path
 

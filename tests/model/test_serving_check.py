@@ -119,6 +119,12 @@ def test_a_last_layer_tap_is_refused_when_derived_and_fails_the_check(tiny_qwen3
         drafter.config.check_target(target.hidden_size, target.num_layers, target.vocab_size)
 
 
+def test_repeated_derived_taps_are_refused(tiny_qwen3_target):
+    """z-lab's formula repeats ids when L - 3 < num_taps; the engines capture a layer once."""
+    with pytest.raises(ValueError, match=r"\[1, 2, 2, 2, 3\] are not strictly increasing.*3 distinct"):
+        drafter_config_from_target(tiny_qwen3_target.config, num_layers=1, block_size=4, mask_token_id=MASK_ID)
+
+
 def test_unordered_layer_ids_and_a_tap_count_fc_does_not_take_fail(bad, target):
     out, config, _, write = bad
     config["dflash_config"]["target_layer_ids"] = [3, 1, 2]
