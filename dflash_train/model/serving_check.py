@@ -77,19 +77,18 @@ def check_drafter(drafter_dir: str | Path, target: TargetInfo | None = None,
         return [Failure("weights", f"no *.safetensors in {drafter_dir}")]
     shapes = {name: shape for path in weight_files for name, shape in safetensors_shapes(path).items()}
     failures = check_config(d, shapes, target)
+    identity = check_target_identity(d, target) if target is not None else []
     try:
         cfg = drafter_config_from_zlab(d, str(drafter_dir / "config.json"))
     except (ValueError, TypeError) as e:
-        return failures + [Failure("config", f"the trainer cannot read it: {e}")]
+        return failures + [Failure("config", f"the trainer cannot read it: {e}")] + identity
     failures += check_engine_view(drafter_dir, d, cfg)
     if trained is not None:
         failures += check_training(cfg, trained.config)
     failures += check_weights(shapes, cfg, skip_fc=any(f.field.endswith("target_layer_ids") for f in failures))
     if not failures:  # a forward needs loadable weights and a config both sides read alike
         failures += check_forward(drafter_dir, d, cfg, trained)
-    if target is not None:
-        failures += check_target_identity(d, target)
-    return failures
+    return failures + identity
 
 
 def check_config(d: dict, shapes: dict, target: TargetInfo | None) -> list[Failure]:

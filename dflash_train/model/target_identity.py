@@ -43,7 +43,8 @@ class TargetInfo:
     vocab_size: int
     """Rows of the input embedding (as `Target.vocab_size`)."""
     serve: str
-    """What a serving engine should load as the target to see the training taps and lm_head."""
+    """What a serving engine should load as the target to see the training taps and lm_head: the
+    GGUF's converted directory, the local directory, or the hub id."""
 
     def provenance(self) -> dict:
         return asdict(self)
@@ -62,6 +63,7 @@ def describe_target(model: str, gguf_file: str | None = None) -> TargetInfo:
             target_mod._convert_gguf_to_hf_dir(path, gguf, hf_dir)  # the one converter, shared with load_target
     else:
         hf_dir = _local_model_dir(model)
+    serve = model if gguf is None and not Path(model).expanduser().is_dir() else str(hf_dir)  # a hub id: portable
     config = json.loads((hf_dir / "config.json").read_text())
     text = config.get("text_config") or config
     weights = sorted(hf_dir.glob("*.safetensors"))
@@ -70,7 +72,7 @@ def describe_target(model: str, gguf_file: str | None = None) -> TargetInfo:
     return TargetInfo(name=model, path=str(hf_dir), quantization=quantization, config_sha256=config_hash(config),
                       weights_fingerprint=weights_fingerprint(weights), num_layers=int(text["num_hidden_layers"]),
                       hidden_size=int(text["hidden_size"]),
-                      vocab_size=_embedding_rows(weights) or int(text["vocab_size"]), serve=str(hf_dir))
+                      vocab_size=_embedding_rows(weights) or int(text["vocab_size"]), serve=serve)
 
 
 def _local_model_dir(model: str) -> Path:
