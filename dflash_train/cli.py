@@ -23,7 +23,7 @@ from dflash_train.config import (ConfigError, RunConfig, apply_overrides, descri
                                  sections, settings)
 
 COMMANDS = {name: f"dflash_train.commands.{name}" for name in ("train", "eval", "regenerate", "prepare", "doctor",
-                                                                  "export")}
+                                                                  "export", "check")}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -79,12 +79,25 @@ def resolve(name: str, argv: list[str]) -> tuple[RunConfig, bool]:
     """The command's config: recipe, then its flags, then the overrides; and whether to print it only."""
     module = _command(name)
     args = build_parser(name, module).parse_intermixed_args(argv)
-    overrides = []
+    overrides = _positional(module, args)
     for i, alias in enumerate(module.ALIASES):
         value = getattr(args, f"alias_{i}")
         if value is not None:
             overrides += alias.overrides(value)
     return apply_overrides(base_config(args.recipe), overrides + list(args.overrides)), args.print_config
+
+
+def _positional(module, args) -> list[str]:
+    """A command's one positional argument (`check DRAFTER`) spells `module.POSITIONAL=<it>`: the
+    words among the overrides that hold no `=`."""
+    key = getattr(module, "POSITIONAL", None)
+    words = [w for w in args.overrides if "=" not in w]
+    if key is None or not words:
+        return []
+    if len(words) > 1:
+        raise ConfigError(f"expected one {key.split('.')[-1]} argument, got {' '.join(words)}")
+    args.overrides = [w for w in args.overrides if "=" in w]
+    return [f"{key}={words[0]}"]
 
 
 def run_command(name: str, argv: list[str]) -> int:

@@ -195,6 +195,12 @@ class ExportConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CheckConfig:
+    drafter: str | None = None
+    """Exported z-lab drafter directory to check against target.model (the serving contract)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class DoctorConfig:
     devices: Literal["cpu", "cuda", "all"] = "all"
     """Devices to compile and time attention on: the CPU, every GPU, or both."""
@@ -224,6 +230,7 @@ class RunConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     export: ExportConfig = field(default_factory=ExportConfig)
     doctor: DoctorConfig = field(default_factory=DoctorConfig)
+    check: CheckConfig = field(default_factory=CheckConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

@@ -228,6 +228,11 @@ def validate_prepare(cfg: RunConfig) -> None:
     _fail(problems + target_problems(cfg) + data_problems(cfg))
 
 
+def validate_check(cfg: RunConfig) -> None:
+    _fail(config_problems(cfg) + _required(cfg, "check.drafter", "the exported drafter directory to check")
+          + _drafter_dir_problems("check.drafter", cfg.check.drafter) + target_problems(cfg))
+
+
 def validate_export(cfg: RunConfig) -> None:
     problems = config_problems(cfg) + _required(cfg, "export.drafter", "the z-lab drafter directory to export")
     problems += _required(cfg, "export.out", "the output directory")

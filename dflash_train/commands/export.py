@@ -23,13 +23,14 @@ ALIASES = (
 def run(cfg) -> str:
     import torch  # see commands/__init__.py
 
-    from dflash_train.model.hf_format import load_zlab, save_speculators, save_zlab
+    from dflash_train.model.hf_format import export_drafter, load_zlab, save_speculators
 
     x = cfg.export
     drafter = load_zlab(x.drafter)
     dtype = getattr(torch, x.dtype)
     if x.format == "zlab":
-        out = save_zlab(drafter, x.out, dtype=dtype)
+        # records target.model as the training target and checks the serving contract against it
+        out = export_drafter(drafter, x.out, cfg.target.model, cfg.target.gguf_file, dtype=dtype)
     else:
         target = load_configured_target(cfg, fallback_device="cpu")
         drafter.config.check_target(target.hidden_size, target.num_layers, target.vocab_size)

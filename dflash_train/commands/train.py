@@ -35,6 +35,6 @@ def run(cfg) -> str | Verdict:
 
     result = train(cfg)
     if result.get("role") == "drafter" and "export" in result:
-        print(summary(cfg, result), flush=True)
+        print(summary(result), flush=True)
     detail = f"(rank {os.environ.get('RANK', '0')}, {result.get('role')}, {result.get('steps', '-')} steps)"
     return Verdict(detail, "INTERRUPTED", 3) if result.get("interrupted") else detail

@@ -18,11 +18,11 @@ import torch.distributed as dist
 
 from dflash_train.config import RunConfig
 from dflash_train.diagnostics.watchdog import Watchdog
-from dflash_train.eval.prompt_sets import load_prompt_sets
 from dflash_train.eval.evaluate import evaluate
+from dflash_train.eval.prompt_sets import load_prompt_sets
 from dflash_train.eval.report import lossless_note
 from dflash_train.model.config import DrafterConfig
-from dflash_train.model.hf_format import load_zlab, save_zlab
+from dflash_train.model.hf_format import export_drafter, load_zlab
 from dflash_train.model.target import load_target
 from dflash_train.train import balance, setup
 from dflash_train.train.balance import ComputeTimer
@@ -208,7 +208,7 @@ def _train_drafter(p: Process, s: Setup) -> dict:
               "tokens": t.progress.tokens, "sim": last_sim, "interrupted": p.stop.signal, "out_dir": str(p.out_dir)}
     if topo.is_main:
         best = s.checkpointer.best() or s.checkpointer.latest()
-        result["export"] = str(_export(best, p.out_dir, log))
+        result["export"] = str(_export(best, p.out_dir, log, cfg.target))
         result["checkpoint"] = str(best)
         if cfg.eval.num_prompts > 0 and topo.target_in_process and not p.stop():
             with p.watchdog.stage("real speculative decoding eval"):
@@ -373,10 +373,10 @@ def _agree_min(value: int, ctx: StepContext) -> int:
     return int(t.item())
 
 
-def _export(checkpoint: Path, out_dir: Path, log) -> Path:
-    """The serving artefact: the chosen checkpoint's drafter in bf16, z-lab format."""
+def _export(checkpoint: Path, out_dir: Path, log, target_cfg) -> Path:
+    """The serving artefact: the chosen checkpoint's drafter in bf16, z-lab format, checked."""
     drafter = load_zlab(checkpoint / "drafter", device="cpu")  # weights only: no optimizer state read
-    path = save_zlab(drafter, out_dir / "drafter", dtype=torch.bfloat16)
+    path = export_drafter(drafter, out_dir / "drafter", target_cfg.model, target_cfg.gguf_file, log=log)
     log(f"exported z-lab drafter {path} (from {checkpoint.name})")
     return path
 
