@@ -27,7 +27,7 @@ ALIASES = (
 def run(cfg) -> str:
     from dflash_train.data.conversations import read_conversations, tokenize_conversations
     from dflash_train.data.shards import bytes_per_token, prepare_shards
-    from dflash_train.model.target import build_target_layer_ids
+    from dflash_train.model.taps import build_target_layer_ids
 
     d = cfg.data
     conversations, bad = read_conversations(d.train, d.skip_bad_rows, d.max_samples, cfg.train.seed)
