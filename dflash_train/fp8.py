@@ -42,7 +42,7 @@ def require_fp8(device: torch.device | str | None, option: str) -> None:
     """Raise a RuntimeError naming `option` (e.g. `train.precision`) and how to turn FP8 off."""
     problem = fp8_problem(device)
     if problem is not None:
-        raise RuntimeError(f"{option}=fp8: {problem}; set {option}=bf16 to train without FP8")
+        raise RuntimeError(f"{option}=fp8: {problem}; set {option}=bf16 to run without FP8")
 
 
 def fp8_fits(module: nn.Module, fqn: str = "") -> bool:

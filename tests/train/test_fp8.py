@@ -157,7 +157,7 @@ def test_cpu_runs_are_refused_naming_the_option():
     assert len(problems) == 2
     assert "train.precision=fp8" in problems[0] and "set train.precision=bf16" in problems[0]
     assert "set target.precision=bf16" in problems[1]
-    with pytest.raises(RuntimeError, match="set train.precision=bf16"):
+    with pytest.raises(RuntimeError, match="set train.precision=bf16 to run without FP8"):
         parallelize(_drafter(), device=torch.device("cpu"), compile_model=False, dp_group=None, num_drafters=1,
                     precision="fp8")
     with pytest.raises(ValueError, match="train.precision='fp9'"):
