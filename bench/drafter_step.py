@@ -5,6 +5,7 @@ compiled-vs-eager speed of the training attention.
     python bench/drafter_step.py --block-size 32 --anchors 64      # the original pipeline's config
     python bench/drafter_step.py --attention sdpa                  # dense-mask SDPA instead of flex
     python bench/drafter_step.py --small                           # tiny shapes, CPU, seconds
+    python bench/drafter_step.py --precision fp8 --fp8-recipe rowwise   # float8 linears (torchao, sm89+)
 
 It runs the package's real step: `parallelize` (torch.compile of the drafter), `train_step`
 (analytic BlockMask, bf16 autocast, chunked lm_head + CE, clip, AdamW) on random weights and random
@@ -14,7 +15,7 @@ target dtype (bf16 on GPU).
 
 Figures: tokens/s (sequence tokens S per second), median step time (each step CUDA-synchronised),
 MFU against a bf16 matmul peak measured in the same run (fp32 on CPU) with the model FLOPs of
-bench/flops.py, peak memory, and attention fwd+bwd compiled flex vs uncompiled flex (the goal is
+bench/flops.py (counted the same in fp8), and against an fp8 matmul peak where float8 runs, peak memory, and attention fwd+bwd compiled flex vs uncompiled flex (the goal is
 compiled >= 15x faster). CPU flex has no backward, so on CPU the attention ratio is forward-only.
 """
 
@@ -50,6 +51,7 @@ def parse(argv=None):
                    "(CUDA graphs); default: torch's default")
     p.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 weights + float32 masters in the optimizer (default: on for CUDA, as the trainer)")
+    C.add_precision_args(p)
     p.add_argument("--chunk-tokens", type=int, default=2048, help="lm_head/CE chunk rows (loss.chunk_tokens)")
     p.add_argument("--compile-loss", action=argparse.BooleanOptionalAction, default=None,
                    help="fuse the loss passes with torch.compile (default: as --compile)")
@@ -67,6 +69,7 @@ def parse(argv=None):
     a.layers = a.layers or (2 if a.small else 5)
     a.steps = a.steps or (3 if a.small else 10)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.small else 3)
+    a.fp8_recipe = a.fp8_recipe or "tensorwise"
     return a
 
 
@@ -86,18 +89,17 @@ def main(argv=None) -> int:
     taps_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     S, N, B, rows = a.seq_len, a.anchors, a.block_size, a.batch
     b.info.update(device=str(device), backend=backend, compiled=compiled, seq_len=S, anchors=N, block_size=B,
-                  layers=a.layers, batch=rows, chunk_tokens=a.chunk_tokens)
+                  layers=a.layers, batch=rows, chunk_tokens=a.chunk_tokens, precision=a.precision,
+                  fp8_recipe=a.fp8_recipe if a.precision == "fp8" else None)
     b.log(f"device {device}, attention {backend}, compile {compiled}, S={S} N={N} B={B} layers={a.layers} "
-          f"batch={rows}, {a.warmup} warm-up + {a.steps} timed steps")
+          f"batch={rows}, precision {a.precision}{f' ({a.fp8_recipe})' if a.precision == 'fp8' else ''}, {a.warmup} warm-up + {a.steps} timed steps")
     st: dict = {}
 
     with b.phase("build"):
         st.update(build(a, b, device, backend, compiled, taps_dtype))
 
     with b.phase("matmul peak"):
-        peak, label = C.measure_matmul_peak(device, b)
-        st["peak"] = peak
-        b.figure("matmul_peak_tflops", peak / 1e12, label)
+        C.peaks(b, device, st)
 
     def step():
         from dflash_train.train.step import train_step
@@ -135,8 +137,7 @@ def main(argv=None) -> int:
             b.figure("step_time_mean_s", sum(times) / len(times))
             b.figure("tokens_per_s", tokens / med, "sequence tokens S per second")
             b.figure("drafter_tflops_achieved", st["flops"]["drafter"]["train"] / med / 1e12)
-            if "peak" in st:
-                b.figure("mfu", st["flops"]["drafter"]["train"] / med / st["peak"], "vs measured matmul peak")
+            C.report_mfu(b, st, st["flops"]["drafter"]["train"] / med, "drafter train FLOPs")
             if device.type == "cuda":
                 b.figure("mfu_vs_790", st["flops"]["drafter"]["train"] / med / (C.ISSUE_PEAK_TFLOPS * 1e12))
                 b.figure("peak_memory_gib", C.peak_memory_gib(device), "max_memory_allocated, timed steps")
@@ -202,7 +203,8 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
     optimizer, scheduler = build_optimizer(drafter.parameters(), OptimConfig(), 1000, master_weights=a.master_weights)
     b.info["master_weights"] = type(optimizer).__name__ != "AdamW"
     model = parallelize(drafter, device=device, compile_model=compiled, dp_group=None, num_drafters=1,
-                        param_dtype=param_dtype(optimizer), compile_mode=a.compile_mode)
+                        param_dtype=param_dtype(optimizer), compile_mode=a.compile_mode, precision=a.precision,
+                        fp8_recipe=a.fp8_recipe, log=b.log)
     b.info["compile_mode"] = a.compile_mode
     flops = C.flops_for(tcfg, dcfg, seq_len=S, num_anchors=N, batch=rows, mean_ctx=C.mean_context(mb))
     params = sum(p.numel() for p in drafter.parameters())
@@ -300,11 +302,13 @@ def attention_ratio(b: C.Bench, dcfg, mb, device: torch.device, dtype: torch.dty
 
 def verdict(b: C.Bench, device) -> str:
     f = b.figures
-    parts = []
+    parts = [f"precision {b.info.get('precision')}" + (f" ({b.info['fp8_recipe']})" if b.info.get("fp8_recipe") else "")]
     if "tokens_per_s" in f:
         parts.append(f"{C.fmt_rate(f['tokens_per_s'])}, {f['step_time_median_s']:.3f} s/step")
     if "mfu" in f:
-        parts.append(f"MFU {f['mfu']:.1%} of measured {f.get('matmul_peak_tflops', float('nan')):.4g} TFLOP/s")
+        parts.append(f"MFU {f['mfu']:.1%} of measured bf16 {f.get('matmul_peak_tflops', float('nan')):.4g} TFLOP/s")
+    if "mfu_vs_fp8_peak" in f:
+        parts.append(f"{f['mfu_vs_fp8_peak']:.1%} of measured fp8 {f['fp8_matmul_peak_tflops']:.4g} TFLOP/s")
     if "peak_memory_gib" in f:
         parts.append(f"peak {f['peak_memory_gib']:.1f} GiB")
     if "speedup_vs_speculators" in f:

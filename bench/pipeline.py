@@ -5,6 +5,10 @@
     torchrun --standalone --nproc-per-node 2 bench/pipeline.py               # 2 H200s, NCCL
     torchrun --standalone --nproc-per-node 2 bench/pipeline.py --block-size 32 --anchors 64
     python -m torch.distributed.run --standalone --nproc-per-node 2 bench/pipeline.py --small   # gloo, CPU
+    torchrun --standalone --nproc-per-node 2 bench/pipeline.py --precision fp8   # float8 target and drafter
+
+`--precision fp8` runs both sides' linear layers in float8 (torchao; sm89+ GPUs): the target's as
+target.precision=fp8 (rowwise scales), the drafter's as train.precision=fp8 (`--fp8-recipe`).
 
 Figures (printed by rank 1): end-to-end tokens/s over the timed steps; each side's busy fraction
 (its compute time per step / the pipeline's wall time per step; compute timed with CUDA events on
@@ -44,6 +48,7 @@ def parse(argv=None):
     p.add_argument("--attention", choices=("auto", "flex", "sdpa", "dense"), default="auto")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--chunk-tokens", type=int, default=2048)
+    C.add_precision_args(p)
     p.add_argument("--steps", type=int, help="timed steps (default 20; 4 with --small)")
     p.add_argument("--warmup", type=int, help="warm-up steps, compile included (default 3; 1 with --small)")
     p.add_argument("--json", help="write the figures to this JSON file (rank 1)")
@@ -147,6 +152,8 @@ def main(argv=None) -> int:
             from dflash_train.train.parallel import resolve_compile
 
             inner = Target(model=C.random_target(tcfg, device, dtype), tokenizer=None)
+            if a.precision == "fp8":
+                inner.quantize_fp8(log=b.log)  # as target.precision=fp8, before compiling
             compile_target = a.compile if a.compile is not None else resolve_compile("auto", device)
             if compile_target:
                 inner.compile_layers()  # as the trainer's target ranks do
@@ -182,7 +189,7 @@ def main(argv=None) -> int:
     compiled = a.compile if a.compile is not None else resolve_compile("auto", device)
     b.info.update(device=str(device), backend=attn, compiled=compiled, seq_len=S, anchors=N, block_size=B,
                   layers=a.layers, micro_batch=a.micro_batch, accum=a.accum, max_in_flight=a.max_in_flight,
-                  prefetch=a.prefetch)
+                  prefetch=a.prefetch, precision=a.precision)
     st: dict = {}
     with b.phase("build drafter"):
         from dflash_train.config import OptimConfig
@@ -196,7 +203,8 @@ def main(argv=None) -> int:
                              compile_loss=compiled)
         optimizer, scheduler = build_optimizer(drafter.parameters(), OptimConfig(), 1000)  # the trainer's choice
         model = parallelize(drafter, device=device, compile_model=compiled, dp_group=dp_group, num_drafters=1,
-                            param_dtype=param_dtype(optimizer))
+                            param_dtype=param_dtype(optimizer), precision=a.precision,
+                            fp8_recipe=a.fp8_recipe or "tensorwise", log=b.log)
         source = RemoteSource(feed, topo, device, total_steps=a.warmup + a.steps + a.prefetch, prefetch=a.prefetch)
         b.log(f"drafter {dcfg.num_layers} layers, attention {attn}, compile {compiled}; S={S} N={N} B={B}, "
               f"{plan.seqs_per_step} seq/step ({a.accum} x {a.micro_batch})")

@@ -38,6 +38,10 @@ class TargetConfig:
     layer_ids: tuple[int, ...] | None = None
     """Tapped layers, z-lab semantics (output of decoder layer i = HF hidden_states[i+1]).
     None derives them with `build_target_layer_ids`."""
+    precision: Literal["bf16", "fp8"] = "bf16"
+    """fp8: the decoder layers' linear layers run in float8 (torchao float8 inference, dynamic
+    per-row activation scales; needs the `fp8` extra and a GPU of compute capability >= 8.9), for
+    the tapped forward and regeneration; embedding, norms and lm_head stay in target.dtype."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -139,6 +143,12 @@ class TrainConfig:
     """auto (flex on CUDA, sdpa on CPU) | flex | sdpa | dense."""
     compile: Literal["auto", "on", "off"] = "auto"
     """auto (on CUDA) | on | off."""
+    precision: Literal["bf16", "fp8"] = "bf16"
+    """bf16: the drafter's matmuls in bf16 on CUDA (float32 on the CPU). fp8: its linear layers
+    (q/k/v/o, MLP, fc) in float8 through torchao float8 training (the `fp8` extra; a GPU of compute
+    capability >= 8.9); weights, optimizer and checkpoints are unchanged."""
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """Scaling of train.precision=fp8: one scale per tensor (faster) or per row (finer)."""
     log_every: int = 10
     eval_every: int = 200
     ckpt_every: int = 500

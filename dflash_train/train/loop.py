@@ -114,6 +114,8 @@ def _prepare(p: Process) -> Setup:
     with p.watchdog.stage("load target"):
         target = load_target(cfg.target.model, cfg.target.gguf_file, cfg.target.dtype, p.device,
                              cfg.target.trust_remote_code)
+        if cfg.target.precision == "fp8":
+            target.quantize_fp8(log=p.log)  # before compile_layers and the regeneration pass
     dcfg = setup.build_drafter_config(cfg, target)
     spec = taps_spec(dcfg, target.dtype)
     with p.watchdog.stage("prepare data"):
@@ -192,7 +194,8 @@ def _build_training(p: Process, s: Setup) -> Training:
         Checkpointer.restore(s.resume, states, weights)
         p.log(f"resumed from {s.resume[0]} at step {progress.step}")
     model = parallelize(drafter, device=p.device, compile_model=s.compiled, dp_group=p.dp_group,
-                        num_drafters=p.topo.num_drafters, param_dtype=param_dtype(optimizer))
+                        num_drafters=p.topo.num_drafters, param_dtype=param_dtype(optimizer),
+                        precision=cfg.train.precision, fp8_recipe=cfg.train.fp8_recipe, log=p.log)
     return Training(drafter, model, _step_context(p, s), source, held_out, progress, budget, weights, states)
 
 
@@ -222,7 +225,7 @@ def _loop(p: Process, s: Setup, t: Training):
     cfg, topo, watchdog, progress, budget = p.cfg, p.topo, p.watchdog, t.progress, t.budget
     optimizer, scheduler = t.states["optimizer"], t.states["scheduler"]
     metrics = MetricsLog(p.out_dir, s.total_steps, progress.step, topo.is_main, cfg.train.tensorboard)
-    health = CompileHealthWatch(s.compiled, s.backend == "flex", progress.step, p.log)
+    health = CompileHealthWatch(s.compiled, s.backend == "flex", progress.step, metrics.above_bar(p.log))
     timer = ComputeTimer(p.device)
     meta = {"config": cfg.to_dict(), "provenance": provenance(topo.world_size)}
     last_sim = None
@@ -257,6 +260,8 @@ def _loop(p: Process, s: Setup, t: Training):
         interval_tokens += step_tokens
         stopping = _agree(p.stop() or budget.spent(), t.ctx, step)
         if step % cfg.train.log_every == 0 or last or stopping:
+            if p.device.type == "cuda":  # the interval ends when its GPU work does (the record syncs anyway)
+                torch.cuda.synchronize(p.device)
             rate = interval_tokens / max(time.perf_counter() - interval_start, 1e-9)
             _log_step(metrics, _train_record(step, epoch, reduce_stats(stats, t.ctx), grad_norm, scheduler, rate))
             interval_tokens, interval_start = 0, time.perf_counter()

@@ -59,6 +59,13 @@ class MetricsLog:
         if self.enabled:
             tqdm.write(line)
 
+    def above_bar(self, log):
+        """A logger for messages that come while the bar is shown (compile health): on the rank that
+        shows the bar they print above it, not into its line; elsewhere `log` prints them."""
+        if self.bar is None:
+            return log
+        return lambda message: tqdm.write(str(message))
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
