@@ -98,8 +98,16 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LossConfig:
-    kind: Literal["ce", "ce_teacher", "kl"] = "ce"
-    """ce (data token) | ce_teacher (target argmax) | kl (to target logits)."""
+    kind: Literal["ce", "ce_teacher", "kl", "mix"] = "ce"
+    """What the drafter learns from, per predicted slot (train/loss.py): ce = cross-entropy on the data
+    token | ce_teacher = cross-entropy on the target's argmax | kl = KL(target || drafter) at
+    `temperature` | mix = (1 - kl_weight) * ce + kl_weight * kl. Every kind but ce needs the target's
+    final hidden state, which then travels with the taps (and `prepare` stores it in the shards)."""
+    temperature: float = 1.0
+    """Softmax temperature T of the kl term: T^2 * KL(softmax(t/T) || softmax(s/T)) (Hinton's
+    convention: the T^2 keeps the gradient scale of T = 1). Used by kind=kl and kind=mix."""
+    kl_weight: float = 0.5
+    """Share of the kl term in kind=mix, in [0, 1]; the data-token ce gets the rest."""
     gamma: float | None = None
     """Decay constant of w_k = exp(-(k-1)/gamma); None derives it from the block size."""
     chunk_tokens: int = 2048
@@ -108,6 +116,11 @@ class LossConfig:
     """Training-only softmax over every token of the training data plus the lowest ids, this many
     in all (train/vocab.py): the lm_head dominates a CPU step. None = the full vocabulary. Held-out
     simulated tau, the real eval and inference always use the full lm_head."""
+
+    @property
+    def needs_target_hidden(self) -> bool:
+        """The loss reads the target's distribution: its final hidden state must travel with the taps."""
+        return self.kind != "ce"
 
 
 @dataclass(frozen=True, kw_only=True)

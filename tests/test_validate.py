@@ -92,7 +92,9 @@ def test_target_ranks_must_leave_a_drafter_rank():
 
 def test_training_rules():
     tiny = recipes.get("tiny")
-    fires(validate.validate_run, with_(tiny, "loss.kind", "kl"), ONE, match="loss.kind='kl': training supports 'ce'")
+    validate.validate_run(with_(tiny, "loss.kind", "kl"), ONE)  # distillation trains (tests/train/test_distill.py)
+    fires(validate.validate_run, with_(tiny, "loss.kl_weight", 1.5), ONE,
+          match="loss.kl_weight=1.5: must be in [0.0, 1.0]")
     disagg = apply_overrides(tiny, ["topology.mode=disaggregated", "train.max_minutes=5"])
     fires(validate.validate_run, disagg, Topology("disaggregated", 2, 0, 0, 1), match="train.max_minutes needs")
     fires(validate.validate_run, with_(tiny, "topology.device", "cpu"), ONE, match="topology.device=cpu: train places")

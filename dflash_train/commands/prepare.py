@@ -11,7 +11,7 @@ HELP = "write offline hidden-state shards"
 RECIPE = None
 READS = ("target", "data.train", "data.shards", "data.shard_format", "data.shard_mb", "data.prepare_batch_tokens",
          "data.max_len", "data.min_loss_tokens", "data.thinking", "data.skip_bad_rows", "data.max_samples",
-         "drafter.num_taps", "train.seed", "topology.device")
+         "drafter.num_taps", "train.seed", "topology.device", "loss.kind")
 ALIASES = (
     Alias("--target", "target.model"), Alias("--data", "data.train"), Alias("--out", "data.shards"),
     Alias("--format", "data.shard_format"), Alias("--layer-ids", "target.layer_ids"),
@@ -40,8 +40,10 @@ def run(cfg) -> str:
                          "prompt-only data (such as 'default') needs `dflash-train regenerate` first")
     layer_ids = list(cfg.target.layer_ids or build_target_layer_ids(target.num_layers, cfg.drafter.num_taps))
     tap_width = len(layer_ids) * target.hidden_size
-    shard_tokens = max(1, int(d.shard_mb * 2**20) // bytes_per_token(tap_width, d.shard_format))
+    final_hidden = cfg.loss.needs_target_hidden  # a distillation loss reads the target's final hidden state
+    final_width = target.hidden_size if final_hidden else 0
+    shard_tokens = max(1, int(d.shard_mb * 2**20) // bytes_per_token(tap_width, d.shard_format, final_width))
     r = prepare_shards(target, samples, d.shards, layer_ids, d.shard_format, shard_tokens, d.prepare_batch_tokens,
-                       target_name=cfg.target.model)
+                       target_name=cfg.target.model, final_hidden=final_hidden)
     return (f"{r.samples} samples, {r.tokens} tokens in {r.shards} shards ({r.bytes / 2**20:.1f} MiB) at "
             f"{d.shards}; {r.resumed_after} were already done")

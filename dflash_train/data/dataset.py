@@ -96,27 +96,30 @@ def regenerate_cached(cfg: DataConfig, target, target_name: str, conversations, 
 
 
 def prepare_tapped(cfg: DataConfig, target, target_name: str, layer_ids: list[int], work_dir: Path, seed: int,
-                   log=print, heartbeat=None):
+                   log=print, heartbeat=None, final_hidden: bool = False):
     """Regenerate + tap in one pass (cached; a concurrent job waits on its lock): (train samples, held-out
-    samples, their taps)."""
-    path = work_dir / f"tapped-{cache_key(cfg, target_name, seed)}-{'_'.join(map(str, layer_ids))}.safetensors"
+    samples, their stored rows {name: tensor}); `final_hidden` also keeps the target's final hidden state
+    (a distillation loss), in a cache file of its own."""
+    suffix = "-final" if final_hidden else ""
+    path = work_dir / f"tapped-{cache_key(cfg, target_name, seed)}-{'_'.join(map(str, layer_ids))}{suffix}.safetensors"
 
     def build(tmp: Path) -> None:
-        _regenerate_and_tap(cfg, target, layer_ids, seed, log, heartbeat).save(tmp)
+        _regenerate_and_tap(cfg, target, layer_ids, seed, log, heartbeat, final_hidden).save(tmp)
 
     if not cache.build_once(path, build, f"regenerated samples and taps {path.name}", directory=False, log=log):
         log(f"data: using cached regenerated samples and taps {path}")
     tapped = TappedSamples.load(path)
-    return split_held_out(tapped.samples, cfg.eval_fraction, tapped.taps)
+    return split_held_out(tapped.samples, cfg.eval_fraction, tapped.rows())
 
 
-def _regenerate_and_tap(cfg: DataConfig, target, layer_ids: list[int], seed: int, log, heartbeat):
+def _regenerate_and_tap(cfg: DataConfig, target, layer_ids: list[int], seed: int, log, heartbeat,
+                        final_hidden: bool = False):
     conversations, bad = read_conversations(cfg.train, skip_bad_rows=cfg.skip_bad_rows,
                                             max_samples=cfg.max_samples, seed=seed)
     log(f"data: {len(conversations)} conversations from {cfg.train}; {bad.summary()}")
     tapped, report = regenerate_with_taps(target, conversations, layer_ids, cfg.regen_max_new_tokens,
                                           cfg.regen_batch_size, cfg.max_len, cfg.thinking, cfg.min_loss_tokens,
-                                          heartbeat=heartbeat)
+                                          heartbeat=heartbeat, final_hidden=final_hidden)
     log(f"data: regenerated and tapped {report['samples']} samples, {report['new_tokens']} new tokens in "
         f"{report['seconds']:.0f}s ({report['new_tokens'] / max(report['seconds'], 1e-9):.0f} tok/s); "
         f"skipped {report['skipped']}")

@@ -29,7 +29,7 @@ from dflash_train.train.balance import ComputeTimer
 from dflash_train.train.batching import BatchPlan, MicroBatch, to_device
 from dflash_train.train.checkpoint import Checkpointer, DrafterState, RNGState, TrainProgress, provenance
 from dflash_train.train.health import CompileHealthWatch, FaultPlan, StopFlag
-from dflash_train.train.loss import LossStats, summarize
+from dflash_train.train.loss import LossMix, LossStats, summarize
 from dflash_train.train.metrics import MetricsLog
 from dflash_train.train.optim import TimeBudget, build_optimizer, param_dtype
 from dflash_train.train.parallel import parallelize, resolve_backend, resolve_compile, use_shared_compile_cache
@@ -117,7 +117,7 @@ def _prepare(p: Process) -> Setup:
         if cfg.target.precision == "fp8":
             target.quantize_fp8(log=p.log)  # before compile_layers and the regeneration pass
     dcfg = setup.build_drafter_config(cfg, target)
-    spec = taps_spec(dcfg, target.dtype)
+    spec = taps_spec(dcfg, target.dtype, final_hidden=cfg.loss.needs_target_hidden)
     with p.watchdog.stage("prepare data"):
         data = setup.load_data(cfg, topo, target, list(dcfg.target_layer_ids), spec, p.out_dir / "data", p.log,
                                p.watchdog.beat)
@@ -174,7 +174,8 @@ def _step_context(p: Process, s: Setup) -> StepContext:
                        gamma=setup.gamma_of(p.cfg), chunk_tokens=p.cfg.loss.chunk_tokens, backend=s.backend,
                        device=p.device, autocast_dtype=torch.bfloat16 if p.device.type == "cuda" else None,
                        dp_group=p.dp_group, num_drafters=p.topo.num_drafters, compile_loss=s.compiled,
-                       train_vocab=vocab, train_lm_head=vocab.restrict(lm_head) if vocab is not None else None)
+                       train_vocab=vocab, train_lm_head=vocab.restrict(lm_head) if vocab is not None else None,
+                       loss=LossMix.from_config(p.cfg.loss))
 
 
 def _build_training(p: Process, s: Setup) -> Training:

@@ -21,7 +21,7 @@ from dflash_train.model.config import DrafterConfig, drafter_config_from_target
 from dflash_train.model.drafter import DFlashDrafter
 from dflash_train.model.target import resolve_mask_token_id
 from dflash_train.train.batching import MicroBatch, Sample, padded_length
-from dflash_train.train.taps import StoredRows, TapsSpec
+from dflash_train.train.taps import FINAL_HIDDEN, StoredRows, TapsSpec
 from dflash_train.train.topology import Topology
 from dflash_train.train.vocab import vocab_subset
 
@@ -43,7 +43,7 @@ def load_data(cfg: RunConfig, topo: Topology, target, layer_ids, spec: TapsSpec,
     if topo.reads_shards:
         return samples_from_shards(cfg, layer_ids, spec, log)
     if taps_from_regeneration(cfg, topo):
-        return prepare_tapped(cfg, target, layer_ids, work_dir, log, heartbeat)
+        return prepare_tapped(cfg, target, layer_ids, spec, work_dir, log, heartbeat)
     return Data(*load_or_build_samples(cfg, target, topo, work_dir, log, heartbeat=heartbeat))
 
 
@@ -127,15 +127,22 @@ def taps_from_regeneration(cfg: RunConfig, topo: Topology) -> bool:
         and not topo.distributed
 
 
-def prepare_tapped(cfg: RunConfig, target, layer_ids, work_dir: Path, log, heartbeat=None) -> Data:
-    (train, train_taps), (held_out, held_out_taps) = prepare_tapped_samples(
-        cfg.data, target, cfg.target.model, layer_ids, work_dir, cfg.train.seed, log, heartbeat)
-    return Data(train, held_out, (StoredRows.in_memory(train_taps), StoredRows.in_memory(held_out_taps)))
+def prepare_tapped(cfg: RunConfig, target, layer_ids, spec: TapsSpec, work_dir: Path, log, heartbeat=None) -> Data:
+    (train, train_rows), (held_out, held_out_rows) = prepare_tapped_samples(
+        cfg.data, target, cfg.target.model, layer_ids, work_dir, cfg.train.seed, log, heartbeat,
+        final_hidden=FINAL_HIDDEN in spec.names)
+    return Data(train, held_out, (StoredRows.in_memory(train_rows, spec.names),
+                                  StoredRows.in_memory(held_out_rows, spec.names)))
 
 
 def samples_from_shards(cfg: RunConfig, layer_ids: list[int], spec: TapsSpec, log) -> Data:
     """Offline mode: samples from `dflash-train prepare` shards, split by id hash; taps stay on disk."""
     reader = ShardReader(cfg.data.shards, seed=cfg.train.seed, dtype=torch.float32)
+    missing = [name for name in spec.names if name not in reader.entries]
+    if missing:
+        raise ValueError(f"data.shards {cfg.data.shards} lack {missing}: loss.kind={cfg.loss.kind} needs the "
+                         "target's final hidden state; re-run `dflash-train prepare` with this loss.kind "
+                         "into a new --out directory")
     if reader.layer_ids != list(layer_ids):
         raise ValueError(f"data.shards {cfg.data.shards}: tapped layers {reader.layer_ids} differ from the "
                          f"drafter's target_layer_ids {list(layer_ids)}; set target.layer_ids to match")

@@ -92,12 +92,12 @@ class ColocatedSource(SampledSource):
     def next_step(self) -> tuple[int, list[MicroBatch]]:
         epoch, _, mbs = self._draw()
         for mb in mbs:
-            mb.from_target = target_tensors(self.target, self.layer_ids, mb, self.device)
+            mb.from_target = target_tensors(self.target, self.layer_ids, mb, self.device, self.feed.spec)
         return epoch, mbs
 
     def held_out(self) -> list[MicroBatch]:
         for mb in self.feed.held_out:
-            mb.from_target = target_tensors(self.target, self.layer_ids, mb, self.device)
+            mb.from_target = target_tensors(self.target, self.layer_ids, mb, self.device, self.feed.spec)
         return self.feed.held_out
 
 
@@ -202,7 +202,7 @@ class TargetServer:
         if self.topo.rank != self.topo.target_ranks[0]:
             return
         for mb in self.feed.held_out:
-            for t in target_tensors(self.target, self.layer_ids, mb, self.device).values():
+            for t in target_tensors(self.target, self.layer_ids, mb, self.device, self.feed.spec).values():
                 dist.send(t, dst=self.topo.drafter_ranks[0])
 
     def serve_step(self, timed: bool = False) -> None:
@@ -216,7 +216,7 @@ class TargetServer:
             timers = [self.busy, self.balance] if timed else [self.busy]
             for timer in timers:
                 timer.start()
-            tensors = target_tensors(self.target, self.layer_ids, mb, self.device)
+            tensors = target_tensors(self.target, self.layer_ids, mb, self.device, self.feed.spec)
             for timer in reversed(timers):
                 timer.stop(len(group))
             # no stream sync: ProcessGroupNCCL makes its stream wait for this one before the send,

@@ -19,7 +19,7 @@ from dflash_train.data.anchors import block_inputs, block_labels, position_ids
 from dflash_train.model.attention import MaskSpec, PersistentMasks, build_training_masks
 from dflash_train.model.config import DrafterConfig
 from dflash_train.train.batching import MicroBatch, host_to_device, to_device
-from dflash_train.train.loss import LossStats, block_loss, slot_weights
+from dflash_train.train.loss import CE, LossMix, LossStats, block_loss, slot_weights, teacher_hidden_at
 from dflash_train.train.optim import MasterWeightAdamW
 from dflash_train.train.vocab import VocabSubset
 
@@ -42,6 +42,7 @@ class StepContext:
     train_vocab: VocabSubset | None = None  # training-only softmax subset (loss.train_vocab)
     train_lm_head: torch.Tensor | None = None  # lm_head rows of train_vocab, [V', H]
     persistent_masks: PersistentMasks | None = None  # CUDA graphs (bench): masks kept at fixed addresses
+    loss: LossMix = CE  # loss.kind as coefficients; teacher terms read batch["final_hidden"]
 
     @property
     def block_size(self) -> int:
@@ -77,7 +78,10 @@ def forward_stats(model, batch: dict, ctx: StepContext) -> LossStats:
         if ctx.train_vocab is not None:
             labels, valid = ctx.train_vocab.map_labels(labels, valid)
             lm_head = ctx.train_lm_head
-        return block_loss(hidden, lm_head, labels, valid, ctx.gamma, ctx.chunk_tokens, compiled=ctx.compile_loss)
+        teacher = teacher_hidden_at(batch["final_hidden"], anchors, ctx.block_size) if ctx.loss.needs_teacher \
+            else None  # [b, N, B, H]
+        return block_loss(hidden, lm_head, labels, valid, ctx.gamma, ctx.chunk_tokens, teacher_hidden=teacher,
+                          compiled=ctx.compile_loss, mix=ctx.loss)
 
 
 def global_weight_sum(mbs: list[MicroBatch], ctx: StepContext) -> torch.Tensor:

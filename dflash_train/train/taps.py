@@ -52,18 +52,31 @@ class TapsSpec:
         return out
 
 
-def taps_spec(dcfg: DrafterConfig, dtype: torch.dtype) -> TapsSpec:
+FINAL_HIDDEN = "final_hidden"  # the target's last hidden state after its final norm: teacher logits
+
+
+def taps_spec(dcfg: DrafterConfig, dtype: torch.dtype, final_hidden: bool = False) -> TapsSpec:
     """The bundle this run's drafter trains on. The place to add an entry (then add its producer
-    in `target_tensors`, and the data writers for stored taps)."""
-    return TapsSpec((TensorField("taps", dcfg.num_taps * dcfg.hidden_size, dtype),))
+    in `target_tensors`, and the data writers for stored taps).
+
+    "taps" [K*H]: the tapped layers' outputs; "final_hidden" [H] only when the loss reads the
+    target's distribution (`LossConfig.needs_target_hidden`): a CE run does not pay for it."""
+    fields = [TensorField("taps", dcfg.num_taps * dcfg.hidden_size, dtype)]
+    if final_hidden:
+        fields.append(TensorField(FINAL_HIDDEN, dcfg.hidden_size, dtype))
+    return TapsSpec(tuple(fields))
 
 
-def target_tensors(target, layer_ids, mb: MicroBatch, device) -> dict[str, torch.Tensor]:
-    """The target's side of the bundle for one micro-batch: {"taps": [b, S, K*H]}, contiguous
-    (ready to send), in the target's dtype."""
+def target_tensors(target, layer_ids, mb: MicroBatch, device, spec: TapsSpec) -> dict[str, torch.Tensor]:
+    """The target's side of the bundle for one micro-batch, in `spec` order: {"taps": [b, S, K*H],
+    "final_hidden": [b, S, H] when in the spec}, contiguous (ready to send), in the target's dtype."""
+    with_final = FINAL_HIDDEN in spec.names
     with torch.no_grad():
-        taps = target.taps(host_to_device(mb.input_ids, device), host_to_device(mb.attention_mask, device), layer_ids)
-    return {"taps": taps.contiguous()}
+        out = target.taps(host_to_device(mb.input_ids, device), host_to_device(mb.attention_mask, device), layer_ids,
+                          return_last_hidden=with_final)
+    taps, final = out if with_final else (out, None)
+    produced = {"taps": taps, FINAL_HIDDEN: final}
+    return {name: produced[name].contiguous() for name in spec.names}
 
 
 class StoredRows:
@@ -74,8 +87,8 @@ class StoredRows:
         self.fetch, self.count = fetch, count
 
     @classmethod
-    def in_memory(cls, taps: list[torch.Tensor]) -> "StoredRows":
-        return cls(lambda i: {"taps": taps[i]}, len(taps))
+    def in_memory(cls, rows: list[dict[str, torch.Tensor]], spec_names: tuple[str, ...]) -> "StoredRows":
+        return cls(lambda i: _pick(rows[i], spec_names), len(rows))
 
     @classmethod
     def from_shards(cls, reader, spec_names: tuple[str, ...], rows: list[int]) -> "StoredRows":
@@ -91,5 +104,12 @@ class StoredRows:
 def _pick(sample: dict, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
     missing = [n for n in names if n not in sample]
     if missing:
-        raise KeyError(f"shard rows lack {missing}: re-run `dflash-train prepare` with a version that writes them")
+        raise KeyError(f"stored rows lack {missing}: {_missing_fix(missing)}")
     return {n: sample[n] for n in names}
+
+
+def _missing_fix(missing: list[str]) -> str:
+    if FINAL_HIDDEN in missing:
+        return ("the loss (loss.kind != ce) needs the target's final hidden state; re-run `dflash-train prepare` "
+                "with the same loss.kind so the shards store it")
+    return "re-run `dflash-train prepare` with a version that writes them"
