@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from bench._common import Bench, environment
+from bench._common import Bench
 from dflash_train.eval import spec_decode as sd
 from dflash_train.model.config import drafter_config_from_target
 from dflash_train.model.drafter import DFlashDrafter
@@ -168,7 +168,7 @@ def main() -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     bench = Bench("spec_decode_cpu", args)
-    bench.info.update(env=environment(), threads=torch.get_num_threads())
+    bench.info.update(threads=torch.get_num_threads())
     bench.log(f"threads {torch.get_num_threads()}, timing: time.perf_counter per stage, medians of {args.reps} reps")
     with torch.no_grad():
         target, prompt = _load(args.arch_only)

@@ -96,7 +96,11 @@ class few_row_linear(TorchFunctionMode):
     """Within this context, `F.linear` on 2..4 rows of a CPU tensor goes through `few_row_matmul`
     (nn.Linear included, so the HF target's and the drafter's layers too); anything else runs as
     is. A scoped torch-function mode rather than patched modules: outside the context nothing
-    changes, and training never enters it."""
+    changes, and training never enters it. `routed` counts the linears it rerouted."""
+
+    def __init__(self):
+        super().__init__()
+        self.routed = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -105,6 +109,7 @@ class few_row_linear(TorchFunctionMode):
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
             rows = x.numel() // max(x.shape[-1], 1)
             if x.device.type == "cpu" and FEW_ROWS[0] <= rows <= FEW_ROWS[1] and x.dim() >= 2:
+                self.routed += 1
                 out = few_row_matmul(x.reshape(rows, x.shape[-1]), weight)  # [rows, N]
                 if bias is not None:
                     out = out + bias
