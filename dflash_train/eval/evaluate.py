@@ -10,6 +10,9 @@ Conventions:
 - Each prompt gets its own generator seeded `seed + index`, shared by the speculative and the plain
   run, so a run is reproducible; the first prompt is decoded in full once untimed (warm-up): on a
   GPU a shorter warm-up left the first timed prompt at a third of the steady rate.
+- Both decoders are timed alike: wall time (perf_counter, device synchronised) of the prefill and
+  every step, per prompt, the speculative and the plain run back to back (load on a shared machine
+  hits both); speedup = the ratio of their tokens/s (`report.py`).
 - tau = tokens per target verification forward (accepted + 1), pooled over all steps of a set;
   see `report.py` for every figure in the report.
 """

@@ -22,6 +22,10 @@ Conventions:
   the output) or after `max_new_tokens` tokens; tokens a step produced past that are dropped.
 - tau (acceptance length, the paper's definition) = tokens produced per verification forward =
   mean over steps of (acc + 1). The first token comes from the prefill and is no step.
+- CPU cost (bench/spec_decode_cpu.py, docs/PERF.md): a step's forwards run a few rows (verify B,
+  drafter B, drafter lm_head B-1), and on the CPU every linear of 2..4 rows runs as
+  `weight @ x.T` (`few_row_linear`), which MKL does in ~2/3 of the time of `x @ weight.T`; the
+  plain loop's 1-row forward gains nothing from it and runs as is.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from transformers import DynamicCache
 
 from dflash_train.model.decoding import cache_kwarg, new_cache
@@ -75,6 +81,43 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+FEW_ROWS = (2, 4)
+"""Row counts for which `few_row_matmul` beats `F.linear` on the CPU. Measured on the 2-core
+EPYC (AVX, no AVX2; MKL), all 210 SmolLM2 linears, 1 thread: 1 row 196 vs 198 ms (no gain),
+2 rows 328 vs 243, 4 rows 362 vs 242, 8 rows 453 vs 451, 32 rows 841 vs 931 (a loss)."""
+
+
+def few_row_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [n, K] @ weight[N, K].T -> [n, N], computed as (weight @ x.T).T made contiguous: with n of
+    2..4, MKL streams the weight once this way round, and packs it first the other way."""
+    return (weight @ x.T).T.contiguous()
+
+
+class few_row_linear(TorchFunctionMode):
+    """Within this context, `F.linear` on 2..4 rows of a CPU tensor goes through `few_row_matmul`
+    (nn.Linear included, so the HF target's and the drafter's layers too); anything else runs as
+    is. A scoped torch-function mode rather than patched modules: outside the context nothing
+    changes, and training never enters it. `routed` counts the linears it rerouted."""
+
+    def __init__(self):
+        super().__init__()
+        self.routed = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:
+            x, weight = args[0], args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            rows = x.numel() // max(x.shape[-1], 1)
+            if x.device.type == "cpu" and FEW_ROWS[0] <= rows <= FEW_ROWS[1] and x.dim() >= 2:
+                self.routed += 1
+                out = few_row_matmul(x.reshape(rows, x.shape[-1]), weight)  # [rows, N]
+                if bias is not None:
+                    out = out + bias
+                return out.view(*x.shape[:-1], weight.shape[0])
+        return func(*args, **kwargs)
+
+
 def _probs(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Softmax in float64: rejection sampling compares probabilities, keep them exact enough."""
     return torch.softmax(logits.double() / temperature, dim=-1)
@@ -114,16 +157,28 @@ def crop_cache(cache: DynamicCache, keep: int) -> None:
 
 
 @torch.no_grad()
-def _target_forward(model, ids: torch.Tensor, cache: DynamicCache, hidden: bool, logits_to_keep: int = 0):
-    """Target forward of ids [1, n] after the cached positions; returns (logits [1, n', V], hidden states)."""
+def _target_forward(model, ids: torch.Tensor, cache: DynamicCache, taps=None, logits_to_keep: int = 0):
+    """Target forward of ids [1, n] after the cached positions; returns (logits [1, n', V], the taps
+    [1, n, K*H] of tap ids `taps`, or None when taps is None)."""
     kwargs = {cache_kwarg(type(model)): cache}
-    out = model(input_ids=ids, use_cache=True, output_hidden_states=hidden, logits_to_keep=logits_to_keep,
-                **kwargs)
-    return out.logits, out.hidden_states
+    out = model(input_ids=ids, use_cache=True, output_hidden_states=taps is not None,
+                logits_to_keep=logits_to_keep, **kwargs)
+    return out.logits, (select_taps(out.hidden_states, taps) if taps is not None else None)
 
 
 # ---------------------------------------------------------------------------------------------
 # Draft and verify
+
+
+@dataclass
+class DecodeState:
+    """The two caches of one speculative generation; both hold positions [0, ctx.length)."""
+
+    cache: DynamicCache
+    """The target's KV cache."""
+    ctx: ContextCache
+    """The drafter's context K/V (projected taps), appended once per verified position, never
+    recomputed (spec 1.6: only context K/V persist across steps)."""
 
 
 def _param(drafter: DFlashDrafter) -> torch.Tensor:
@@ -137,17 +192,45 @@ def _append_taps(ctx: ContextCache, drafter: DFlashDrafter, taps: torch.Tensor) 
 
 
 @torch.no_grad()
-def draft_logits(drafter: DFlashDrafter, ctx: ContextCache, anchor: int, embed_weight: torch.Tensor,
-                 lm_head_weight: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Drafter logits [B-1, V] for slots 1..B-1 of the block [anchor, MASK x (B-1)] at ctx.length,
-    on the lm_head's device."""
+def prefill(target_model, drafter: DFlashDrafter, prompt_ids: torch.Tensor, layer_ids) -> tuple[DecodeState, torch.Tensor]:
+    """Target forward of the prompt [1, P]; returns the state and the last position's logits [1, V]."""
+    state = DecodeState(new_cache(), ContextCache())
+    logits, taps = _target_forward(target_model, prompt_ids, state.cache, taps=layer_ids, logits_to_keep=1)
+    _append_taps(state.ctx, drafter, taps)
+    return state, logits[0, -1:]
+
+
+@torch.no_grad()
+def draft_hidden(drafter: DFlashDrafter, ctx: ContextCache, anchor: int, embed_weight: torch.Tensor,
+                 block_size: int) -> torch.Tensor:
+    """Final-normed drafter hidden states [B, H] of the block [anchor, MASK x (B-1)] at ctx.length."""
     start, p = ctx.length, _param(drafter)
     ids = torch.full((1, block_size), drafter.config.mask_token_id, dtype=torch.long, device=embed_weight.device)
     ids[0, 0] = anchor
     embeds = embed_weight[ids].to(p.device, p.dtype)  # [1, B, H]
     positions = torch.arange(start, start + block_size, device=p.device)[None]  # [1, B]
-    hidden = drafter.draft(embeds, ctx, positions)  # [1, B, H], final-normed
-    return hidden[0, 1:].to(lm_head_weight.device, lm_head_weight.dtype) @ lm_head_weight.T  # [B-1, V]
+    return drafter.draft(embeds, ctx, positions)[0]  # [B, H]
+
+
+def draft_head(hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+    """Logits [B-1, V] of slots 1..B-1 from draft_hidden's [B, H], on the lm_head's device."""
+    slots = hidden[1:].to(lm_head_weight.device, lm_head_weight.dtype)  # [B-1, H]
+    if slots.device.type == "cpu" and FEW_ROWS[0] <= slots.shape[0] <= FEW_ROWS[1]:
+        return few_row_matmul(slots, lm_head_weight)
+    return slots @ lm_head_weight.T
+
+
+@torch.no_grad()
+def draft_logits(drafter: DFlashDrafter, ctx: ContextCache, anchor: int, embed_weight: torch.Tensor,
+                 lm_head_weight: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Drafter logits [B-1, V] for slots 1..B-1 of the block [anchor, MASK x (B-1)] at ctx.length,
+    on the lm_head's device."""
+    return draft_head(draft_hidden(drafter, ctx, anchor, embed_weight, block_size), lm_head_weight)
+
+
+def verify_block(anchor: int, draft: torch.Tensor) -> torch.Tensor:
+    """The target's input [1, B]: the anchor, then the B-1 draft tokens (on draft's device)."""
+    return torch.cat([torch.tensor([anchor], device=draft.device), draft])[None]
 
 
 def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
@@ -179,23 +262,25 @@ def accept_sampled(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
     return acc, int(_sample((residual / residual.sum())[None], generator))
 
 
-def _spec_step(target_model, drafter: DFlashDrafter, cache: DynamicCache, ctx: ContextCache, anchor: int,
-               embed_weight: torch.Tensor, lm_head_weight: torch.Tensor, layer_ids, block_size: int,
-               temperature: float, generator) -> tuple[int, list[int]]:
+
+
+def _spec_step(target_model, drafter: DFlashDrafter, state: DecodeState, anchor: int, embed_weight: torch.Tensor,
+               lm_head_weight: torch.Tensor, layer_ids, block_size: int, temperature: float,
+               generator) -> tuple[int, list[int]]:
     """One draft + verify step; returns (acc, the acc + 1 emitted tokens)."""
-    start, device = ctx.length, embed_weight.device
-    assert cache.get_seq_length() == start, "target and drafter caches out of step"
-    d_logits = draft_logits(drafter, ctx, anchor, embed_weight, lm_head_weight, block_size)
-    q = _probs(d_logits, temperature) if temperature > 0 else None
-    draft = d_logits.argmax(-1) if q is None else _sample(q, generator)  # [B-1]
-    block = torch.cat([torch.tensor([anchor], device=device), draft.to(device)])[None]  # [1, B]
-    t_logits, hidden = _target_forward(target_model, block, cache, hidden=True)  # [1, B, V]
-    if q is None:
-        acc, nxt = accept_greedy(draft, t_logits[0])
-    else:
-        acc, nxt = accept_sampled(draft, q, _probs(t_logits[0], temperature), generator)
-    crop_cache(cache, start + acc + 1)  # keep the anchor and the accepted drafts
-    _append_taps(ctx, drafter, select_taps(hidden, layer_ids)[:, : acc + 1])
+    start, device = state.ctx.length, embed_weight.device
+    assert state.cache.get_seq_length() == start, "target and drafter caches out of step"
+    with few_row_linear():
+        d_logits = draft_logits(drafter, state.ctx, anchor, embed_weight, lm_head_weight, block_size)
+        q = _probs(d_logits, temperature) if temperature > 0 else None
+        draft = (d_logits.argmax(-1) if q is None else _sample(q, generator)).to(device)  # [B-1]
+        t_logits, taps = _target_forward(target_model, verify_block(anchor, draft), state.cache, taps=layer_ids)
+        if q is None:
+            acc, nxt = accept_greedy(draft, t_logits[0])
+        else:
+            acc, nxt = accept_sampled(draft, q.to(device), _probs(t_logits[0], temperature), generator)
+        crop_cache(state.cache, start + acc + 1)  # keep the anchor and the accepted drafts
+        _append_taps(state.ctx, drafter, taps[:, : acc + 1])
     return acc, draft[:acc].tolist() + [nxt]
 
 
@@ -216,14 +301,12 @@ def speculative_generate(target_model, drafter: DFlashDrafter, embed_weight: tor
     tokens: list[int] = []
     accepted: list[int] = []
     if max_new_tokens > 0:
-        cache, ctx = new_cache(), ContextCache()
-        logits, hidden = _target_forward(target_model, prompt_ids, cache, hidden=True, logits_to_keep=1)
-        _append_taps(ctx, drafter, select_taps(hidden, layer_ids))
-        tokens.append(int(_pick(logits[0, -1:], temperature, generator)))
+        state, logits = prefill(target_model, drafter, prompt_ids, layer_ids)
+        tokens.append(int(_pick(logits, temperature, generator)))
         new = 1
         while not _done(tokens, new, max_new_tokens, eos):
-            acc, emitted = _spec_step(target_model, drafter, cache, ctx, tokens[-1], embed_weight,
-                                      lm_head_weight, layer_ids, block_size, temperature, generator)
+            acc, emitted = _spec_step(target_model, drafter, state, tokens[-1], embed_weight, lm_head_weight,
+                                      layer_ids, block_size, temperature, generator)
             accepted.append(acc)
             tokens.extend(emitted)
             new = len(emitted)
@@ -244,7 +327,7 @@ def target_generate(target_model, prompt_ids: torch.Tensor, max_new_tokens: int,
         cache = new_cache()
         ids = prompt_ids
         while not tokens or not _done(tokens, 1, max_new_tokens, eos):
-            logits, _ = _target_forward(target_model, ids, cache, hidden=False, logits_to_keep=1)
+            logits, _ = _target_forward(target_model, ids, cache, logits_to_keep=1)
             nxt = _pick(logits[0, -1:], temperature, generator)  # [1]
             tokens.append(int(nxt))
             ids = nxt[None]  # [1, 1]

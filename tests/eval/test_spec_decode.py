@@ -94,6 +94,26 @@ def test_greedy_equals_target_when_drafts_are_accepted(qwen3, prompts, block_siz
     assert set(hist) == set(range(block_size)) or len(hist) >= 3, hist  # rejections, partial and full
 
 
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
+def test_few_row_linear_routes_only_few_rows_and_matches_linear(rows):
+    """Inside `few_row_linear`, nn.Linear on 2..4 rows equals `few_row_matmul` (+ bias) bit for bit
+    and F.linear to rounding; any other row count runs F.linear itself, untouched."""
+    g = torch.Generator().manual_seed(rows)
+    layer = torch.nn.Linear(24, 40, bias=True)
+    x = torch.randn(1, rows, 24, generator=g)
+    with torch.no_grad():
+        plain = layer(x)
+        with spec_decode.few_row_linear() as mode:
+            routed = layer(x)
+        few = spec_decode.few_row_matmul(x[0], layer.weight) + layer.bias
+    assert routed.shape == plain.shape and routed.is_contiguous()
+    torch.testing.assert_close(routed, plain, rtol=1e-5, atol=1e-5)
+    if spec_decode.FEW_ROWS[0] <= rows <= spec_decode.FEW_ROWS[1]:
+        assert mode.routed == 1 and torch.equal(routed[0], few)
+    else:
+        assert mode.routed == 0 and torch.equal(routed, plain)
+
+
 def test_accept_greedy_by_hand():
     logits = torch.full((4, 10), -1.0)
     for row, tok in enumerate([3, 5, 7, 9]):  # target argmax after slots 0..3
