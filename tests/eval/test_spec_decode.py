@@ -39,7 +39,7 @@ def oracle_draft(truth: list[int], prompt_len: int, vocab: int, p_right: float, 
 
 @pytest.fixture(scope="module")
 def qwen3():
-    return tiny_target(seed=0, layers=4)
+    return tiny_target(seed=0, layers=6)  # 6 layers: two distinct z-lab taps (1, 3)
 
 
 @pytest.fixture(scope="module")
