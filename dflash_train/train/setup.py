@@ -187,6 +187,10 @@ def validate_run(cfg: RunConfig, topo: Topology) -> None:
                          "advance; set train.max_steps instead")
     if topo.mode == "offline" and not cfg.data.shards:
         raise ValueError("topology.mode=offline needs data.shards=DIR (written by `dflash-train prepare`)")
+    if topo.mode != "offline":
+        from dflash_train.data.dataset import parse_train_spec
+
+        parse_train_spec(cfg.data.train, cfg.data.max_samples)  # a bad data.train fails before the target loads
 
 
 def describe(cfg: RunConfig, dcfg: DrafterConfig, topo: Topology, n_train: int, n_eval: int, total: int,
