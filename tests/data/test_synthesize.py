@@ -13,8 +13,9 @@ import pytest
 
 from dflash_train.config import DataConfig
 from dflash_train.data.dataset import parse_train_spec, read_train_conversations
+from dflash_train.data.regenerate import end_of_turn_ids
 from dflash_train.data.synthesize import (NoUserTurnError, Selector, SynthSettings, batch_seed, pre_query_prefix,
-                                          synthesize_prompts, synthesized_eval_prompts)
+                                          sample_batch, synthesize_prompts, synthesized_eval_prompts)
 from dflash_train.model.target import Target
 from tests.conftest import tiny_qwen3
 
@@ -240,8 +241,15 @@ def test_mixed_source_reads_each_share(ending_target, tmp_path):
 
 
 def test_smollm2_writes_requests_that_end_their_turn(smollm2_target):
+    """One batch of 8 from the real instruct target: most outputs end their turn and are non-empty,
+    and they differ (sampled, not one repeated prompt)."""
     settings = _settings(batch_size=8, max_new_tokens=64)
-    prompts, report = synthesize_prompts(smollm2_target, 6, seed=0, settings=settings)
-    assert len(prompts) == 6 and all(p.strip() for p in prompts)
-    assert report.sampled <= 16  # at most two batches of 8: most outputs are usable requests
-    assert report.dropped["did_not_end_turn"] <= report.sampled // 2
+    prefix_ids = smollm2_target.tokenizer(pre_query_prefix(smollm2_target.tokenizer), add_special_tokens=False)
+    outputs = sample_batch(smollm2_target, prefix_ids["input_ids"], settings, end_of_turn_ids(smollm2_target),
+                           batch_seed("train", 0, 0))
+    usable = [o for o in outputs if o["ended"] and o["text"].strip()]
+    assert len(usable) >= 5, outputs
+    assert len({o["text"] for o in usable}) == len(usable)
+    selector = Selector(8, settings)
+    selector.feed(outputs)
+    assert len(selector.kept) + sum(selector.dropped.values()) == 8 and len(selector.kept) >= 4
