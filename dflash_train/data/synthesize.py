@@ -228,7 +228,7 @@ def sample_batch(target, prefix_ids: list[int], settings: SynthSettings, stop_id
     with torch.random.fork_rng(devices=devices):  # seeded, without disturbing the caller's RNG
         torch.manual_seed(seed)
         out = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                    temperature=settings.temperature, top_p=settings.top_p, top_k=None,
+                                    temperature=settings.temperature, top_p=settings.top_p, top_k=0,
                                     max_new_tokens=settings.max_new_tokens, eos_token_id=stop_ids,
                                     pad_token_id=pad_id)
     rows = []
