@@ -240,6 +240,7 @@ def test_mixed_source_reads_each_share(ending_target, tmp_path):
 # A small real check
 
 
+@pytest.mark.slow
 def test_smollm2_writes_requests_that_end_their_turn(smollm2_target):
     """One batch of 8 from the real instruct target: most outputs end their turn and are non-empty,
     and they differ (sampled, not one repeated prompt)."""
