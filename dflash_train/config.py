@@ -67,7 +67,9 @@ class DrafterConfigSpec:
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     train: str = DEFAULT_DATA
-    """`default`, a JSONL file (ShareGPT or OpenAI shape), an HF dataset saved to disk, or parquet."""
+    """`default`, `chitchat`, `synthesize` (prompts written by the target), a JSONL file (ShareGPT or
+    OpenAI shape), an HF dataset saved to disk, or parquet; or a mix by weight,
+    `default:0.5,synthesize:0.5`, of `max_samples` in all (data/dataset.py `parse_train_spec`)."""
     eval_fraction: float = 0.02
     max_len: int = 3072
     min_loss_tokens: int = 2
@@ -82,6 +84,18 @@ class DataConfig:
     runs again during training. Otherwise taps are computed by a target forward every step."""
     regen_max_new_tokens: int = 256
     regen_batch_size: int = 16
+    synth_max_new_tokens: int = 96
+    """`synthesize` source (data/synthesize.py): new tokens per self-written prompt; longer ones
+    that do not end their turn are dropped."""
+    synth_temperature: float = 1.0
+    synth_top_p: float = 0.95
+    synth_batch_size: int = 32
+    """Prompts sampled per batch; each batch has its own seed, so a change starts a new cache."""
+    synth_min_words: int = 3
+    """Shorter self-written prompts are dropped (too_short); so are those over `synth_max_words`."""
+    synth_max_words: int = 200
+    synth_near_dup_jaccard: float = 0.6
+    """A prompt whose word-3-gram set has Jaccard similarity >= this with a kept one is dropped."""
     shards: str | None = None
     """Directory of offline hidden-state shards: `prepare` writes it, offline mode trains from it."""
     shard_format: Literal["bf16", "fp8"] = "bf16"

@@ -15,12 +15,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflash_train.config import ConfigError, RunConfig, allowed_values, settings
+from dflash_train.data.train_spec import parse_train_spec
 from dflash_train.diagnostics.doctor import STAGE_KINDS
 
 if TYPE_CHECKING:  # only for the annotation: topology.py imports torch
     from dflash_train.train.topology import Topology
 
-BUILTIN_DATA = ("default", "chitchat")
 BUILTIN_TARGETS = ("smollm2",)
 
 # Fields that must be > 0 (when set: None keeps its meaning).
@@ -112,11 +112,12 @@ def target_problems(cfg: RunConfig) -> list[str]:
 
 
 def data_problems(cfg: RunConfig) -> list[str]:
-    train = cfg.data.train
-    if train in BUILTIN_DATA or Path(train).expanduser().exists():
-        return []
-    return [f"data.train={train}: no such file or directory (expected {' or '.join(BUILTIN_DATA)}, a JSONL or "
-            "parquet file, or an HF dataset saved to disk)"]
+    """data.train: one source or a weighted mix of sources (data/train_spec.py), each existing."""
+    try:
+        parse_train_spec(cfg.data.train, cfg.data.max_samples)
+    except ValueError as e:
+        return [str(e)]
+    return []
 
 
 def _required(cfg: RunConfig, key: str, what: str) -> list[str]:

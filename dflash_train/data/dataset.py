@@ -10,8 +10,11 @@ process; other ranks wait and read it.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+import random
+import re
 from pathlib import Path
 from typing import Sequence, TypeVar
 
@@ -21,6 +24,9 @@ from dflash_train.data.conversations import read_conversations, tokenize_convers
 from dflash_train.data.records import Conversation, Sample
 from dflash_train.data.regen_taps import TappedSamples, regenerate_with_taps
 from dflash_train.data.regenerate import regenerate
+from dflash_train.data.rows import BadRows
+from dflash_train.data.synthesize import SynthSettings, synthesize_prompts
+from dflash_train.data.train_spec import SYNTHESIZE, parse_train_spec
 
 Paired = TypeVar("Paired")
 
@@ -46,7 +52,7 @@ def split_held_out(samples: Sequence[Sample], fraction: float, paired: Sequence[
 
 
 def cache_key(cfg: DataConfig, target_name: str, seed: int) -> str:
-    parts = json.dumps([cfg.train, cfg.max_len, cfg.min_loss_tokens, cfg.thinking, cfg.max_samples, cfg.regenerate,
+    parts = json.dumps([train_key(cfg), cfg.max_len, cfg.min_loss_tokens, cfg.thinking, cfg.max_samples, cfg.regenerate,
                         cfg.regen_max_new_tokens, target_name, seed, 2], sort_keys=True)
     return hashlib.sha256(parts.encode()).hexdigest()[:16]
 
@@ -65,8 +71,7 @@ def prepare_samples(cfg: DataConfig, target, target_name: str, work_dir: Path, s
 
 def _tokenize_into(out: Path, cfg: DataConfig, target, target_name: str, work_dir: Path, seed: int, log,
                    heartbeat) -> None:
-    conversations, bad = read_conversations(cfg.train, skip_bad_rows=cfg.skip_bad_rows,
-                                            max_samples=cfg.max_samples, seed=seed)
+    conversations, bad = read_train_conversations(cfg, target, target_name, work_dir, seed, log, heartbeat)
     log(f"data: {len(conversations)} conversations from {cfg.train}; {bad.summary()}")
     if cfg.regenerate:
         conversations = regenerate_cached(cfg, target, target_name, conversations, work_dir, seed, log, heartbeat)
@@ -82,7 +87,7 @@ def _tokenize_into(out: Path, cfg: DataConfig, target, target_name: str, work_di
 def regenerate_cached(cfg: DataConfig, target, target_name: str, conversations, work_dir: Path, seed: int, log,
                       heartbeat=None):
     """Responses by the target (greedy), cached in an append-only file that resumes."""
-    key = hashlib.sha256(json.dumps([cfg.train, target_name, cfg.regen_max_new_tokens, cfg.thinking,
+    key = hashlib.sha256(json.dumps([train_key(cfg), target_name, cfg.regen_max_new_tokens, cfg.thinking,
                                      cfg.max_samples, seed]).encode()).hexdigest()[:16]
     out = work_dir / f"regenerated-{key}.jsonl"
     with cache.exclusive(cache.lock_path_of(out), f"regenerated responses {out.name}", log=log):  # appends resume
@@ -104,7 +109,7 @@ def prepare_tapped(cfg: DataConfig, target, target_name: str, layer_ids: list[in
     path = work_dir / f"tapped-{cache_key(cfg, target_name, seed)}-{'_'.join(map(str, layer_ids))}{suffix}.safetensors"
 
     def build(tmp: Path) -> None:
-        _regenerate_and_tap(cfg, target, layer_ids, seed, log, heartbeat, final_hidden).save(tmp)
+        _regenerate_and_tap(cfg, target, target_name, layer_ids, work_dir, seed, log, heartbeat, final_hidden).save(tmp)
 
     if not cache.build_once(path, build, f"regenerated samples and taps {path.name}", directory=False, log=log):
         log(f"data: using cached regenerated samples and taps {path}")
@@ -112,10 +117,9 @@ def prepare_tapped(cfg: DataConfig, target, target_name: str, layer_ids: list[in
     return split_held_out(tapped.samples, cfg.eval_fraction, tapped.rows())
 
 
-def _regenerate_and_tap(cfg: DataConfig, target, layer_ids: list[int], seed: int, log, heartbeat,
-                        final_hidden: bool = False):
-    conversations, bad = read_conversations(cfg.train, skip_bad_rows=cfg.skip_bad_rows,
-                                            max_samples=cfg.max_samples, seed=seed)
+def _regenerate_and_tap(cfg: DataConfig, target, target_name: str, layer_ids: list[int], work_dir: Path, seed: int,
+                        log, heartbeat, final_hidden: bool = False):
+    conversations, bad = read_train_conversations(cfg, target, target_name, work_dir, seed, log, heartbeat)
     log(f"data: {len(conversations)} conversations from {cfg.train}; {bad.summary()}")
     tapped, report = regenerate_with_taps(target, conversations, layer_ids, cfg.regen_max_new_tokens,
                                           cfg.regen_batch_size, cfg.max_len, cfg.thinking, cfg.min_loss_tokens,
@@ -134,3 +138,51 @@ def load_samples(path: Path, eval_fraction: float) -> tuple[list[Sample], list[S
     samples = [Sample(r["id"], tuple(r["input_ids"]), tuple(r["loss_mask"])) for r in rows]
     (train, _), (held_out, _) = split_held_out(samples, eval_fraction)
     return train, held_out
+
+
+# ---------------------------------------------------------------------------------------------
+# Sources of `data.train`: one source, or a mix by weight
+
+
+def train_key(cfg: DataConfig) -> str:
+    """`data.train` for cache keys, plus the synthesis settings when the target writes prompts."""
+    if SYNTHESIZE not in re.split(r"[,:]", cfg.train):
+        return cfg.train
+    synth = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name.startswith("synth_")}
+    return json.dumps([cfg.train, synth], sort_keys=True)
+
+
+def read_train_conversations(cfg: DataConfig, target, target_name: str, work_dir: Path, seed: int, log=print,
+                             heartbeat=None):
+    """(conversations, bad-row report) of `data.train`: each source's share, shuffled together
+    (seeded). One file or corpus source reads exactly as `read_conversations` does."""
+    sources = parse_train_spec(cfg.train, cfg.max_samples)
+    if len(sources) == 1 and sources[0][0] != SYNTHESIZE:
+        return read_conversations(cfg.train, skip_bad_rows=cfg.skip_bad_rows, max_samples=cfg.max_samples,
+                                  seed=seed)
+    conversations, bad = [], BadRows()
+    for name, count in sources:
+        if count == 0:
+            log(f"data: {name}: weight gives 0 of {cfg.max_samples} samples; skipped")
+            continue
+        if name == SYNTHESIZE:
+            got = synthesized_conversations(cfg, target, target_name, count, work_dir, seed, log, heartbeat)
+        else:
+            got, source_bad = read_conversations(name, skip_bad_rows=cfg.skip_bad_rows, max_samples=count, seed=seed)
+            bad.merge(source_bad)
+        log(f"data: {name}: {len(got)} of {count} conversations")
+        conversations += got
+    random.Random(seed).shuffle(conversations)
+    return conversations, bad
+
+
+def synthesized_conversations(cfg: DataConfig, target, target_name: str, count: int, work_dir: Path, seed: int,
+                              log=print, heartbeat=None):
+    """`count` one-turn conversations whose user prompt the target wrote (cached, resumable)."""
+    settings = SynthSettings.from_config(cfg)
+    key = hashlib.sha256(json.dumps([target_name, seed, dataclasses.asdict(settings)]).encode()).hexdigest()[:16]
+    cache_path = work_dir / f"synthesized-{key}.jsonl"
+    log(f"data: the target writes {count} prompts (cache {cache_path})")
+    prompts, _ = synthesize_prompts(target, count, seed, cache_path, settings, log=log,
+                                    on_batch=(lambda b: heartbeat(f"synthesize batch {b}")) if heartbeat else None)
+    return [Conversation(f"synth-{i:06d}", [{"role": "user", "content": p}]) for i, p in enumerate(prompts)]
