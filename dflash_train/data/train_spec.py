@@ -31,8 +31,9 @@ def parse_train_spec(spec: str, max_samples: int | None) -> list[tuple[str, int 
         if weight <= 0:
             raise ValueError(f"data.train={spec!r}: weight of {name!r} must be > 0")
         if name not in NAMED_SOURCES and not Path(name).expanduser().exists():
-            raise ValueError(f"data.train={spec!r}: {name!r} is not a source ({', '.join(NAMED_SOURCES)}, "
-                             "or an existing JSONL/parquet file or dataset directory)")
+            where = spec if name == spec.strip() else f"{spec}: {name}"
+            raise ValueError(f"data.train={where}: no such file or directory, and not a named source (sources: "
+                             f"{', '.join(NAMED_SOURCES)}, or an existing JSONL/parquet file or dataset directory)")
         shares.append((name, weight))
     names = [n for n, _ in shares]
     if len(set(names)) < len(names):

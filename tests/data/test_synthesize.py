@@ -215,7 +215,7 @@ def test_spec_single_sources_and_mixes(tmp_path):
 @pytest.mark.parametrize("spec,max_samples,match", [
     ("synthesize", None, "needs data.max_samples"),
     ("default,chitchat", None, "needs data.max_samples"),
-    ("defualt", 10, "not a source"),
+    ("defualt", 10, "not a named source"),
     ("default:0,synthesize", 10, "must be > 0"),
     ("default,default:2", 10, "appears twice"),
 ])
