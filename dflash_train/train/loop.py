@@ -28,7 +28,7 @@ from dflash_train.train import balance, setup
 from dflash_train.train.balance import ComputeTimer
 from dflash_train.train.batching import BatchPlan, MicroBatch, to_device
 from dflash_train.train.checkpoint import Checkpointer, DrafterState, RNGState, TrainProgress, provenance
-from dflash_train.train.health import CompileHealthWatch, FaultPlan, StopFlag
+from dflash_train.train.health import BadStepGuard, CompileHealthWatch, FaultPlan, NonFiniteSteps, StopFlag
 from dflash_train.train.loss import LossStats, summarize
 from dflash_train.train.metrics import MetricsLog
 from dflash_train.train.optim import TimeBudget, build_optimizer, param_dtype
@@ -187,7 +187,7 @@ def _build_training(p: Process, s: Setup) -> Training:
     held_out = source.held_out()
     progress, weights = TrainProgress(), DrafterState(drafter, optimizer)
     states = {"train": progress, "optimizer": optimizer, "scheduler": scheduler, "data": source, "budget": budget,
-              "rng": RNGState()}
+              "rng": RNGState(), "health": BadStepGuard(p.topo.rank, cfg.train.max_bad_steps, p.log)}
     if s.resume is not None:
         Checkpointer.restore(s.resume, states, weights)
         p.log(f"resumed from {s.resume[0]} at step {progress.step}")
@@ -220,7 +220,7 @@ def _loop(p: Process, s: Setup, t: Training):
     """The training loop: taps -> step -> log / held-out simulated tau / checkpoint. Returns the
     last held-out figures."""
     cfg, topo, watchdog, progress, budget = p.cfg, p.topo, p.watchdog, t.progress, t.budget
-    optimizer, scheduler = t.states["optimizer"], t.states["scheduler"]
+    optimizer, scheduler, guard = t.states["optimizer"], t.states["scheduler"], t.states["health"]
     metrics = MetricsLog(p.out_dir, s.total_steps, progress.step, topo.is_main, cfg.train.tensorboard)
     health = CompileHealthWatch(s.compiled, s.backend == "flex", progress.step, p.log)
     timer = ComputeTimer(p.device)
@@ -232,15 +232,18 @@ def _loop(p: Process, s: Setup, t: Training):
     while progress.step < _end(s, budget):
         watchdog.beat("waiting for taps")
         epoch, mbs = t.source.next_step()
+        p.faults.corrupt_taps(topo.rank, progress.step + 1, mbs)
         watchdog.beat("drafter step")
         timed = topo.has_target_ranks and balance.in_window(progress.step + 1)
         if timed:
             timer.start()
-        stats, grad_norm = train_step(t.model, optimizer, scheduler, mbs, t.ctx, cfg.optim.grad_clip)
+        stats, grad_norm, flags = train_step(t.model, optimizer, scheduler, mbs, t.ctx, cfg.optim.grad_clip,
+                                             apply=not p.faults.skips(progress.step + 1))
         if timed:
             timer.stop(sum(mb.input_ids.shape[0] for mb in mbs))
         progress.step += 1
         step = progress.step
+        guard.record(step, mbs, flags)
         if _balance_due(p, s, step):
             balance.share_and_report("drafter", timer.seconds_per_sequence(), topo, p.log, _bytes_per_sequence(mbs))
         watchdog.timeout_s = cfg.train.watchdog_seconds  # warm-up (compilation) is over: strict from now
@@ -256,9 +259,12 @@ def _loop(p: Process, s: Setup, t: Training):
         progress.tokens += step_tokens
         interval_tokens += step_tokens
         stopping = _agree(p.stop() or budget.spent(), t.ctx, step)
+        if step % cfg.train.log_every == 0 or step % cfg.train.ckpt_every == 0 or last or stopping:
+            _check_finite(guard, s)  # same steps on every rank: all stop together, before a checkpoint
         if step % cfg.train.log_every == 0 or last or stopping:
             rate = interval_tokens / max(time.perf_counter() - interval_start, 1e-9)
-            _log_step(metrics, _train_record(step, epoch, reduce_stats(stats, t.ctx), grad_norm, scheduler, rate))
+            _log_step(metrics, _train_record(step, epoch, reduce_stats(stats, t.ctx), grad_norm, scheduler, rate)
+                      | {"skipped_steps": guard.total})
             interval_tokens, interval_start = 0, time.perf_counter()
         metrics.advance(1)
         if topo.is_main and (step % cfg.train.eval_every == 0 or last or stopping):
@@ -278,6 +284,15 @@ def _loop(p: Process, s: Setup, t: Training):
     p.stop.deferring = False
     metrics.close()
     return last_sim
+
+
+def _check_finite(guard: BadStepGuard, s: Setup) -> None:
+    """Read the non-finite guard's flags; too many bad steps in a row end the run, naming the
+    checkpoint to resume from (skipped steps never touched its weights)."""
+    try:
+        guard.check()
+    except NonFiniteSteps as e:
+        raise NonFiniteSteps(f"{e} ({s.checkpointer.latest() or 'none written yet'})") from None
 
 
 def _end(s: Setup, budget: TimeBudget) -> int:
