@@ -33,6 +33,7 @@ from dflash_train.train.loss import LossStats, summarize
 from dflash_train.train.metrics import MetricsLog
 from dflash_train.train.optim import TimeBudget, build_optimizer, param_dtype
 from dflash_train.train.parallel import parallelize, resolve_backend, resolve_compile, use_shared_compile_cache
+from dflash_train.train.provenance import Provenance, fingerprints
 from dflash_train.train.sources import CollateArgs, Feed, TapsSource, TargetServer, build_source
 from dflash_train.train.step import StepContext, forward_stats, reduce_stats, train_step
 from dflash_train.train.taps import taps_spec
@@ -72,6 +73,7 @@ class Setup:
     compiled: bool
     checkpointer: Checkpointer
     resume: tuple[str, dict] | None  # (checkpoint path, trainer state) when resuming
+    provenance: Provenance  # what this run trains with; checked against the resume point's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,7 +133,10 @@ def _prepare(p: Process) -> Setup:
     total_steps = setup.total_steps_of(cfg, feed.sampler().steps_per_epoch)
     checkpointer = Checkpointer(p.out_dir, cfg.train.keep_last)
     resume = checkpointer.resume_point(cfg.train.resume, topo)
-    return Setup(target, dcfg, data, feed, total_steps, backend, compiled, checkpointer, resume)
+    prov = Provenance(fingerprints(cfg, target, dcfg, data.train), cfg.train.allow_changed, p.log)
+    if resume is not None:  # before any state is loaded, on every rank: a mismatch stops them all
+        prov.load_state_dict(resume[1].get("provenance", {}))
+    return Setup(target, dcfg, data, feed, total_steps, backend, compiled, checkpointer, resume, prov)
 
 
 def _balance_due(p: Process, s: Setup, step: int) -> bool:
@@ -187,7 +192,8 @@ def _build_training(p: Process, s: Setup) -> Training:
     held_out = source.held_out()
     progress, weights = TrainProgress(), DrafterState(drafter, optimizer)
     states = {"train": progress, "optimizer": optimizer, "scheduler": scheduler, "data": source, "budget": budget,
-              "rng": RNGState(), "health": BadStepGuard(p.topo.rank, cfg.train.max_bad_steps, p.log)}
+              "rng": RNGState(), "health": BadStepGuard(p.topo.rank, cfg.train.max_bad_steps, p.log),
+              "provenance": s.provenance}
     if s.resume is not None:
         Checkpointer.restore(s.resume, states, weights)
         p.log(f"resumed from {s.resume[0]} at step {progress.step}")
@@ -224,7 +230,7 @@ def _loop(p: Process, s: Setup, t: Training):
     metrics = MetricsLog(p.out_dir, s.total_steps, progress.step, topo.is_main, cfg.train.tensorboard)
     health = CompileHealthWatch(s.compiled, s.backend == "flex", progress.step, p.log)
     timer = ComputeTimer(p.device)
-    meta = {"config": cfg.to_dict(), "provenance": provenance(topo.world_size)}
+    meta = {"config": cfg.to_dict(), "provenance": provenance(topo.world_size), "fingerprints": s.provenance.current}
     last_sim = None
     interval_tokens, interval_start = 0, time.perf_counter()
     budget.start(progress.step, progress.seconds)  # a resumed run continues its time budget
