@@ -1,6 +1,8 @@
 """The run's health checks, used by drafter and target ranks alike: the compile-health watch
 (after warm-up nothing new may compile and flex attention must run compiled, rule 1 of the house),
-the stop flag of SIGTERM/SIGINT, and the fault injection that tests failure handling."""
+the stop flag of SIGTERM/SIGINT, the non-finite guard's bookkeeping (`BadStepGuard`; the skip
+itself happens on the device, `step.health_flags` and `optim.step_unless`), and the fault
+injection that tests failure handling."""
 
 from __future__ import annotations
 

@@ -7,12 +7,15 @@ import signal
 
 import pytest
 import torch
-from transformers import Qwen3Config, Qwen3ForCausalLM
 from golden.loop_golden import golden_config
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from dflash_train import recipes
+from dflash_train.config import apply_overrides
 from dflash_train.data.records import Sample
 from dflash_train.train.loop import train
 from dflash_train.train.provenance import Provenance, ProvenanceMismatch, data_fingerprint, tokenizer_fingerprint
+from dflash_train.validate import config_problems
 
 SAVED = {"data": {"spec": "chitchat", "num_samples": 80, "sha256": "aaaa"},
          "target": {"model": "t", "config_sha256": "c1", "weights_fingerprint": "w1"},
@@ -104,3 +107,11 @@ def test_resume_refuses_a_changed_target_drafter_or_batch_order_and_allows_a_tar
     log = capsys.readouterr().out
     assert "WARNING resume: target changed since the checkpoint" in log and "resumed from" in log
     assert result["steps"] == 3
+
+
+def test_config_names_an_unknown_allow_changed_part_and_a_zero_bad_step_limit():
+    cfg = apply_overrides(recipes.get("tiny"), ["train.allow_changed=data,weights", "train.max_bad_steps=0"])
+    problems = "\n".join(config_problems(cfg))
+    assert "train.allow_changed=data,weights: ['weights'] not among data,target,tokenizer,drafter" in problems
+    assert "train.max_bad_steps=0: must be >= 1" in problems
+    assert not config_problems(apply_overrides(recipes.get("tiny"), ["train.allow_changed=data,target"]))
