@@ -61,7 +61,7 @@ def rank_pid(parent: int, rank: int) -> int | None:
             stat = (proc / "stat").read_text().split()
         except OSError:
             continue
-        if f"RANK={rank}".encode() in environ and f"TORCHELASTIC_RUN_ID".encode() in b"".join(environ) \
+        if f"RANK={rank}".encode() in environ and b"TORCHELASTIC_RUN_ID" in b"".join(environ) \
                 and _descends(int(stat[3]), parent):
             return int(proc.name)
     return None
