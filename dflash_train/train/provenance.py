@@ -1,7 +1,7 @@
 """What a checkpoint was trained with, and the check that a resume continues the same training.
 
 A checkpoint records fingerprints (`fingerprints`) of
-  data       the training samples: the data spec, their count and a digest of ids, lengths and
+  data       the training samples: their count and a digest of ids, lengths and
              loss-token counts of all, and the tokens of up to TOKENS_SAMPLED evenly spaced ones
   target     `describe_target`'s config hash and weights fingerprint (model/target_identity.py)
   tokenizer  vocabulary, special tokens and chat template
@@ -32,14 +32,14 @@ def _digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
-def data_fingerprint(spec: str, samples: list) -> dict:
+def data_fingerprint(samples: list) -> dict:
     digest = hashlib.sha256()
     for s in samples:
         digest.update(f"{s.id}|{len(s)}|{sum(s.loss_mask)};".encode())
     stride = max(1, len(samples) // TOKENS_SAMPLED)
     for s in samples[::stride]:
         digest.update(array("q", s.input_ids).tobytes())
-    return {"spec": spec, "num_samples": len(samples), "sha256": digest.hexdigest()[:16]}
+    return {"num_samples": len(samples), "sha256": digest.hexdigest()[:16]}
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -50,9 +50,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
 def fingerprints(cfg: RunConfig, target, dcfg, train_samples: list) -> dict:
     info = describe_target(cfg.target.model, cfg.target.gguf_file)
     return {
-        "data": data_fingerprint(str(cfg.data.train), train_samples),
-        "target": {"model": cfg.target.model, "config_sha256": info.config_sha256,
-                   "weights_fingerprint": info.weights_fingerprint},
+        "data": data_fingerprint(train_samples),
+        # contents only, not paths or specs: a moved or copied target or data file is the same one
+        "target": {"config_sha256": info.config_sha256, "weights_fingerprint": info.weights_fingerprint},
         "tokenizer": {"sha256": tokenizer_fingerprint(target.tokenizer)},
         "drafter": {"sha256": _digest(dataclasses.asdict(dcfg))},
         "order": {f"train.{name}": getattr(cfg.train, name) for name in ORDER_FIELDS},

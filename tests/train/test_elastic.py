@@ -25,7 +25,7 @@ LAYOUTS = {3: ("topology.mode=colocated",), 2: ("topology.mode=disaggregated", "
 
 def _run(drafters, target, out, *extra):
     args = ["--recipe", "tiny", f"target.model={target}", "data.train=chitchat", "data.regenerate=false",
-            "data.max_samples=60", "data.max_len=128", f"train.max_steps={STEPS}", "train.seqs_per_step=6",
+            "data.max_samples=60", "data.max_len=128", "train.epochs=4", f"train.max_steps={STEPS}", "train.seqs_per_step=6",
             "train.micro_batch=1", f"train.ckpt_every={CKPT}", "train.keep_last=5", "train.eval_every=100",
             "train.log_every=1", "drafter.num_taps=3", "eval.num_prompts=0", f"train.out_dir={out}",
             *LAYOUTS[drafters], *extra]
