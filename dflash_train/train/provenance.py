@@ -66,8 +66,8 @@ def differences(saved: dict, current: dict) -> dict[str, list[str]]:
         before = saved.get(part)
         if before is None:
             continue  # a checkpoint of an older version lacks it: nothing to compare
-        fields = [f"{k}: {before.get(k)!r} -> {now.get(k)!r}" for k in sorted(set(before) | set(now))
-                  if before.get(k) != now.get(k)]
+        fields = [f"{k}: {before[k]!r} -> {now[k]!r}" for k in sorted(set(before) & set(now))  # fields both record
+                  if before[k] != now[k]]
         if fields:
             changed[part] = fields
     return changed
