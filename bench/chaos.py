@@ -35,7 +35,7 @@ def job(out: Path, steps: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={TARGETS + DRAFTERS}",
             "--monitor-interval=0.5", "-m", "dflash_train", "train", "--recipe", "tiny",
             "topology.mode=disaggregated", f"topology.target_ranks={TARGETS}", "train.seqs_per_step=6",
-            "data.max_samples=80", "train.epochs=4",
+            "data.max_samples=80", "data.regenerate=false", "train.epochs=4",
             f"train.max_steps={steps}", "train.ckpt_every=2", "train.log_every=1", "train.eval_every=1000",
             f"train.watchdog_seconds={WATCHDOG_S}", "eval.num_prompts=0", f"train.out_dir={out}", *extra]
 
