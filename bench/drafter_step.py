@@ -106,7 +106,7 @@ def main(argv=None) -> int:
 
         if a.compile_mode == "reduce-overhead":  # CUDA graphs: a new iteration (one micro-batch per step)
             torch.compiler.cudagraph_mark_step_begin()
-        stats, grad_norm = train_step(st["model"], st["optimizer"], st["scheduler"], [st["mb"]], st["ctx"], 1.0)
+        stats, grad_norm, _ = train_step(st["model"], st["optimizer"], st["scheduler"], [st["mb"]], st["ctx"], 1.0)
         st["last"] = (stats, grad_norm)
 
     health = C.compile_health_module() if compiled else None

@@ -219,13 +219,13 @@ def main(argv=None) -> int:
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()  # after the stream waits for the receives: compute only
-            stats, _ = train_step(model, optimizer, scheduler, mbs, ctx, 1.0)
+            stats, _, _ = train_step(model, optimizer, scheduler, mbs, ctx, 1.0)
             end.record()
             if timed is not None:
                 timed.append((start, end))
         else:
             t1 = time.perf_counter()
-            stats, _ = train_step(model, optimizer, scheduler, mbs, ctx, 1.0)
+            stats, _, _ = train_step(model, optimizer, scheduler, mbs, ctx, 1.0)
             if timed is not None:
                 timed.append(time.perf_counter() - t1)
         st["mean_ctx"] = sum(C.mean_context(mb) for mb in mbs) / len(mbs)

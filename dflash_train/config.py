@@ -151,6 +151,9 @@ class OptimConfig:
     kernel. False keeps float32 parameters under autocast. CPU training is float32 either way."""
 
 
+RESUME_CHANGEABLE = ("data", "target", "tokenizer", "drafter")  # train.allow_changed's values
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     out_dir: str = "runs/default"
@@ -183,6 +186,11 @@ class TrainConfig:
     watchdog_seconds: float = 600.0
     """No completed step for this long: dump every thread's stack and stop the job."""
     resume: bool = False
+    allow_changed: tuple[str, ...] = ()
+    """What a resume may find changed since the checkpoint, knowingly (a warning names it): any of
+    RESUME_CHANGEABLE. Anything else changed refuses the resume (train/provenance.py)."""
+    max_bad_steps: int = 3
+    """Consecutive non-finite steps (loss or gradient norm; each is skipped, not applied) that stop the run."""
     tensorboard: bool = True
 
 

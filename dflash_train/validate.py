@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflash_train.config import ConfigError, RunConfig, allowed_values, settings
+from dflash_train.config import RESUME_CHANGEABLE, ConfigError, RunConfig, allowed_values, settings
 from dflash_train.data.train_spec import parse_train_spec
 from dflash_train.diagnostics.doctor import STAGE_KINDS
 
@@ -82,6 +82,12 @@ def config_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"optim.betas={cfg.optim.betas}: both must be in [0, 1)")
     if cfg.target.layer_ids is not None and (min(cfg.target.layer_ids, default=0) < 0 or not cfg.target.layer_ids):
         problems.append(f"target.layer_ids={cfg.target.layer_ids}: expected non-negative layer indices")
+    unknown = [part for part in cfg.train.allow_changed if part not in RESUME_CHANGEABLE]
+    if unknown:
+        problems.append(f"train.allow_changed={','.join(cfg.train.allow_changed)}: {unknown} not among "
+                        f"{','.join(RESUME_CHANGEABLE)}")
+    if cfg.train.max_bad_steps < 1:
+        problems.append(f"train.max_bad_steps={cfg.train.max_bad_steps}: must be >= 1")
     return problems
 
 

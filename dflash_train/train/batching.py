@@ -76,6 +76,8 @@ class StepSampler:
         return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch, "num_samples": self.num_samples}
 
     def load_state_dict(self, state: dict) -> None:
+        """The cursor holds no world size: any number of drafter ranks continues the same global
+        batches (elastic resume)."""
         if state["num_samples"] != self.num_samples:
             raise ValueError(f"resume: the checkpoint's data had {state['num_samples']} samples, this run has "
                              f"{self.num_samples}; resume needs the same data")

@@ -28,11 +28,12 @@ from dflash_train.train import balance, setup
 from dflash_train.train.balance import ComputeTimer
 from dflash_train.train.batching import BatchPlan, MicroBatch, to_device
 from dflash_train.train.checkpoint import Checkpointer, DrafterState, RNGState, TrainProgress, provenance
-from dflash_train.train.health import CompileHealthWatch, FaultPlan, StopFlag
+from dflash_train.train.health import BadStepGuard, CompileHealthWatch, FaultPlan, NonFiniteSteps, StopFlag
 from dflash_train.train.loss import LossMix, LossStats, summarize
 from dflash_train.train.metrics import MetricsLog
 from dflash_train.train.optim import TimeBudget, build_optimizer, param_dtype
 from dflash_train.train.parallel import parallelize, resolve_backend, resolve_compile, use_shared_compile_cache
+from dflash_train.train.provenance import Provenance, fingerprints
 from dflash_train.train.sources import CollateArgs, Feed, TapsSource, TargetServer, build_source
 from dflash_train.train.step import StepContext, forward_stats, reduce_stats, train_step
 from dflash_train.train.taps import taps_spec
@@ -72,6 +73,7 @@ class Setup:
     compiled: bool
     checkpointer: Checkpointer
     resume: tuple[str, dict] | None  # (checkpoint path, trainer state) when resuming
+    provenance: Provenance  # what this run trains with; checked against the resume point's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +135,10 @@ def _prepare(p: Process) -> Setup:
     total_steps = setup.total_steps_of(cfg, feed.sampler().steps_per_epoch)
     checkpointer = Checkpointer(p.out_dir, cfg.train.keep_last)
     resume = checkpointer.resume_point(cfg.train.resume, topo)
-    return Setup(target, dcfg, data, feed, total_steps, backend, compiled, checkpointer, resume)
+    prov = Provenance(fingerprints(cfg, target, dcfg, data.train), cfg.train.allow_changed, p.log)
+    if resume is not None:  # before any state is loaded, on every rank: a mismatch stops them all
+        prov.load_state_dict(resume[1].get("provenance", {}))
+    return Setup(target, dcfg, data, feed, total_steps, backend, compiled, checkpointer, resume, prov)
 
 
 def _balance_due(p: Process, s: Setup, step: int) -> bool:
@@ -190,7 +195,8 @@ def _build_training(p: Process, s: Setup) -> Training:
     held_out = source.held_out()
     progress, weights = TrainProgress(), DrafterState(drafter, optimizer)
     states = {"train": progress, "optimizer": optimizer, "scheduler": scheduler, "data": source, "budget": budget,
-              "rng": RNGState()}
+              "rng": RNGState(), "health": BadStepGuard(p.topo.rank, cfg.train.max_bad_steps, p.log),
+              "provenance": s.provenance}
     if s.resume is not None:
         Checkpointer.restore(s.resume, states, weights)
         p.log(f"resumed from {s.resume[0]} at step {progress.step}")
@@ -224,11 +230,11 @@ def _loop(p: Process, s: Setup, t: Training):
     """The training loop: taps -> step -> log / held-out simulated tau / checkpoint. Returns the
     last held-out figures."""
     cfg, topo, watchdog, progress, budget = p.cfg, p.topo, p.watchdog, t.progress, t.budget
-    optimizer, scheduler = t.states["optimizer"], t.states["scheduler"]
+    optimizer, scheduler, guard = t.states["optimizer"], t.states["scheduler"], t.states["health"]
     metrics = MetricsLog(p.out_dir, s.total_steps, progress.step, topo.is_main, cfg.train.tensorboard)
     health = CompileHealthWatch(s.compiled, s.backend == "flex", progress.step, metrics.above_bar(p.log))
     timer = ComputeTimer(p.device)
-    meta = {"config": cfg.to_dict(), "provenance": provenance(topo.world_size)}
+    meta = {"config": cfg.to_dict(), "provenance": provenance(topo.world_size), "fingerprints": s.provenance.current}
     last_sim = None
     interval_tokens, interval_start = 0, time.perf_counter()
     budget.start(progress.step, progress.seconds)  # a resumed run continues its time budget
@@ -236,15 +242,18 @@ def _loop(p: Process, s: Setup, t: Training):
     while progress.step < _end(s, budget):
         watchdog.beat("waiting for taps")
         epoch, mbs = t.source.next_step()
+        p.faults.corrupt_taps(topo.rank, progress.step + 1, mbs)
         watchdog.beat("drafter step")
         timed = topo.has_target_ranks and balance.in_window(progress.step + 1)
         if timed:
             timer.start()
-        stats, grad_norm = train_step(t.model, optimizer, scheduler, mbs, t.ctx, cfg.optim.grad_clip)
+        stats, grad_norm, flags = train_step(t.model, optimizer, scheduler, mbs, t.ctx, cfg.optim.grad_clip,
+                                             apply=not p.faults.skips(progress.step + 1))
         if timed:
             timer.stop(sum(mb.input_ids.shape[0] for mb in mbs))
         progress.step += 1
         step = progress.step
+        guard.record(step, mbs, flags)
         if _balance_due(p, s, step):
             balance.share_and_report("drafter", timer.seconds_per_sequence(), topo, p.log, _bytes_per_sequence(mbs))
         watchdog.timeout_s = cfg.train.watchdog_seconds  # warm-up (compilation) is over: strict from now
@@ -260,11 +269,14 @@ def _loop(p: Process, s: Setup, t: Training):
         progress.tokens += step_tokens
         interval_tokens += step_tokens
         stopping = _agree(p.stop() or budget.spent(), t.ctx, step)
+        if step % cfg.train.log_every == 0 or step % cfg.train.ckpt_every == 0 or last or stopping:
+            _check_finite(guard, s)  # same steps on every rank: all stop together, before a checkpoint
         if step % cfg.train.log_every == 0 or last or stopping:
             if p.device.type == "cuda":  # the interval ends when its GPU work does (the record syncs anyway)
                 torch.cuda.synchronize(p.device)
             rate = interval_tokens / max(time.perf_counter() - interval_start, 1e-9)
-            _log_step(metrics, _train_record(step, epoch, reduce_stats(stats, t.ctx), grad_norm, scheduler, rate))
+            _log_step(metrics, _train_record(step, epoch, reduce_stats(stats, t.ctx), grad_norm, scheduler, rate)
+                      | {"skipped_steps": guard.total})
             interval_tokens, interval_start = 0, time.perf_counter()
         metrics.advance(1)
         if topo.is_main and (step % cfg.train.eval_every == 0 or last or stopping):
@@ -284,6 +296,15 @@ def _loop(p: Process, s: Setup, t: Training):
     p.stop.deferring = False
     metrics.close()
     return last_sim
+
+
+def _check_finite(guard: BadStepGuard, s: Setup) -> None:
+    """Read the non-finite guard's flags; too many bad steps in a row end the run, naming the
+    checkpoint to resume from (skipped steps never touched its weights)."""
+    try:
+        guard.check()
+    except NonFiniteSteps as e:
+        raise NonFiniteSteps(f"{e} ({s.checkpointer.latest() or 'none written yet'})") from None
 
 
 def _end(s: Setup, budget: TimeBudget) -> int:

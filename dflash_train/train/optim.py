@@ -135,9 +135,10 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, eps=eps))
         self.param_dtype = param_dtype
         self.grad_scale: torch.Tensor | None = None
+        self.found_inf: torch.Tensor | None = None  # 1.0 on the device: skip this step (`step_unless`)
         self._update = torch.compile(_adamw_update, fullgraph=True, dynamic=False) if compiled else _adamw_update
         for p in self._params():
-            self.state[p].update(step=torch.tensor(0.0), master=p.detach().float().clone(),
+            self.state[p].update(step=torch.zeros((), device=p.device), master=p.detach().float().clone(),
                                  exp_avg=torch.zeros_like(p, dtype=torch.float32),
                                  exp_avg_sq=torch.zeros_like(p, dtype=torch.float32))
 
@@ -146,25 +147,29 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        """One AdamW step; with `found_inf` (a device float tensor, 1 = skip, set by `step_unless`)
+        at 1 it leaves the weights, moments and step count exactly as they were, decided on the
+        device (no host sync): the step count lives on the device, and the bias corrections are
+        computed there from it."""
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
+            device = params[0].device
             states = [self.state[p] for p in params]
-            for state in states:
-                state["step"] += 1
-            coeffs = self._coefficients(group, float(states[0]["step"]), params[0].device)
-            scale = self.grad_scale if self.grad_scale is not None else torch.ones((), device=params[0].device)
+            skip = self.found_inf if self.found_inf is not None else torch.zeros((), device=device)
+            apply = 1.0 - skip
+            torch._foreach_add_([s["step"] for s in states], apply)
+            scale = self.grad_scale if self.grad_scale is not None else torch.ones((), device=device)
             self._update(params, [p.grad for p in params], [s["master"] for s in states],
-                         [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], coeffs, scale)
+                         [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                         self._hyper(group, device), states[0]["step"], apply, scale)
 
     @staticmethod
-    def _coefficients(group: dict, step: float, device: torch.device) -> torch.Tensor:
-        """AdamW's per-step scalars, computed on the host as torch's AdamW does, sent in one
-        non-blocking copy (a tensor, so the compiled update never recompiles as the lr moves)."""
-        lr, (beta1, beta2) = group["lr"], group["betas"]
-        values = [1 - lr * group["weight_decay"], 1 - beta1, beta2, 1 - beta2,
-                  lr / (1 - beta1 ** step), (1 - beta2 ** step) ** 0.5, group["eps"]]
+    def _hyper(group: dict, device: torch.device) -> torch.Tensor:
+        """[lr, weight_decay, beta1, beta2, eps] in one non-blocking copy (a tensor, so the
+        compiled update never recompiles as the lr moves)."""
+        values = [group["lr"], group["weight_decay"], *group["betas"], group["eps"]]
         host = torch.tensor(values, dtype=torch.float32, pin_memory=device.type == "cuda")
         return host.to(device, non_blocking=True)
 
@@ -173,7 +178,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         resumes from the other's. The masters are not in it: they are the weights a checkpoint
         stores (`full_precision_weights`), and are loaded back into the module inside that block."""
         full = super().state_dict()
-        full["state"] = {i: {k: v for k, v in s.items() if k != "master"} for i, s in full["state"].items()}
+        full["state"] = {i: {k: v.cpu() if k == "step" else v for k, v in s.items() if k != "master"}
+                         for i, s in full["state"].items()}  # step on the host, as torch's AdamW keeps it
         return full
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -185,6 +191,8 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         for index, p in enumerate(params):
             saved = state_dict["state"].get(index, {})
             self.state[p] = {**kept[p], **self.state[p]}
+            if "step" in saved:  # the count lives on the device (see `step`)
+                self.state[p]["step"] = saved["step"].to(device=p.device, dtype=torch.float32)
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in saved:
                     self.state[p][key] = saved[key].to(device=p.device, dtype=torch.float32)
@@ -206,18 +214,42 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 data.copy_(self.state[p]["master"])
 
 
-def _adamw_update(params, grads, masters, exp_avgs, exp_avg_sqs, coeffs, grad_scale) -> None:
+def _adamw_update(params, grads, masters, exp_avgs, exp_avg_sqs, hyper, step, apply, grad_scale) -> None:
     """torch.optim.AdamW's single-tensor update on the float32 masters, then the bf16 weights.
-    coeffs: [1 - lr*wd, 1 - beta1, beta2, 1 - beta2, lr / bias1, sqrt(bias2), eps]."""
-    decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bias2_sqrt, eps = coeffs.unbind(0)
+    hyper: [lr, weight_decay, beta1, beta2, eps]; step: the step count after this update; apply:
+    1.0, or 0.0 to leave every tensor bit for bit as it was (decay 1, moment weights 0, step size
+    0, and the gradient zeroed, since a NaN times 0 is still NaN)."""
+    lr, weight_decay, beta1, beta2, eps = hyper.unbind(0)
+    count = step.clamp(min=1.0)  # a skipped first step leaves the count at 0: keep the bias finite
+    keep = apply > 0
+    decay = torch.where(keep, 1 - lr * weight_decay, 1.0)
+    one_minus_beta1 = torch.where(keep, 1 - beta1, 0.0)
+    beta2_now = torch.where(keep, beta2, 1.0)
+    one_minus_beta2 = torch.where(keep, 1 - beta2, 0.0)
+    step_size = torch.where(keep, lr / (1 - beta1 ** count), 0.0)
+    bias2_sqrt = (1 - beta2 ** count).sqrt()
     for param, grad, master, exp_avg, exp_avg_sq in zip(params, grads, masters, exp_avgs, exp_avg_sqs):
-        g = grad.float() / grad_scale
+        g = torch.where(keep, grad.float() / grad_scale, 0.0)
         master.mul_(decay)
         exp_avg.lerp_(g, one_minus_beta1)
-        exp_avg_sq.mul_(beta2).add_(g * g * one_minus_beta2)
+        exp_avg_sq.mul_(beta2_now).add_(g * g * one_minus_beta2)
         denom = exp_avg_sq.sqrt() / bias2_sqrt + eps
         master.sub_(exp_avg / denom * step_size)
         param.copy_(master)
+
+
+def step_unless(optimizer, skip: torch.Tensor) -> None:
+    """The optimizer step, unless `skip` (a float32 0/1 tensor on the parameters' device) is 1;
+    a skipped step leaves the weights and the optimizer state (moments, step counts) exactly as
+    they were. MasterWeightAdamW and torch's fused AdamW decide inside their kernels (the
+    `found_inf` input GradScaler uses), so the host never waits for the flag. torch's for-each
+    AdamW has no such input: it reads the flag on the host, which costs nothing on the CPU, where
+    it is used (`build_optimizer`)."""
+    if isinstance(optimizer, MasterWeightAdamW) or optimizer.defaults.get("fused"):
+        optimizer.found_inf = skip
+        optimizer.step()
+    elif not bool(skip):
+        optimizer.step()
 
 
 def full_precision_weights(optimizer):

@@ -20,7 +20,7 @@ from dflash_train.model.attention import MaskSpec, PersistentMasks, build_traini
 from dflash_train.model.config import DrafterConfig
 from dflash_train.train.batching import MicroBatch, host_to_device, to_device
 from dflash_train.train.loss import CE, LossMix, LossStats, block_loss, slot_weights, teacher_hidden_at
-from dflash_train.train.optim import MasterWeightAdamW
+from dflash_train.train.optim import MasterWeightAdamW, step_unless
 from dflash_train.train.vocab import VocabSubset
 
 
@@ -91,30 +91,56 @@ def global_weight_sum(mbs: list[MicroBatch], ctx: StepContext) -> torch.Tensor:
     return total
 
 
-def train_step(model, optimizer, scheduler, mbs: list[MicroBatch], ctx: StepContext, grad_clip: float
-               ) -> tuple[LossStats, torch.Tensor]:
-    """Forward/backward over the micro-batches (gradient accumulation), clip, optimizer step.
+def train_step(model, optimizer, scheduler, mbs: list[MicroBatch], ctx: StepContext, grad_clip: float,
+               apply: bool = True) -> tuple[LossStats, torch.Tensor, torch.Tensor]:
+    """Forward/backward over the micro-batches (gradient accumulation), clip, optimizer step,
+    guarded: a step whose loss or gradient norm is not finite is not applied (`step_unless`).
 
-    Returns the summed LossStats of this rank and the pre-clip gradient norm (device tensors).
+    Returns the summed LossStats of this rank, the pre-clip gradient norm and the step's
+    `health_flags` (device tensors; nothing here waits for the device). `apply=False` skips the
+    update on the host (the reference a test compares the guard with).
     """
     scale = ctx.num_drafters / global_weight_sum(mbs, ctx).clamp(min=1e-9)
-    total = None
+    total, losses = None, []
     for i, mb in enumerate(mbs):
         last = i == len(mbs) - 1
         sync = model.no_sync() if hasattr(model, "no_sync") and not last else contextlib.nullcontext()
         with sync:
             stats = forward_stats(model, to_device(mb, ctx.device), ctx)
             (stats.loss_sum * scale.to(stats.loss_sum.dtype)).backward()
+        losses.append(stats.loss_sum.detach().float().reshape(()))
         total = stats.detach() if total is None else total + stats.detach()
-    grad_norm = clip_and_step(optimizer, [p for p in model.parameters() if p.grad is not None], grad_clip)
+    params = [p for p in model.parameters() if p.grad is not None]
+    grad_norm = total_grad_norm(params)
+    flags = health_flags(torch.stack(losses), grad_norm, ctx.num_drafters, ctx.dp_group)
+    if apply:
+        clip_and_step(optimizer, params, grad_clip, flags[0], grad_norm)
     optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
-    return total, grad_norm
+    scheduler.step()  # a skipped step still spends its step number: the lr stays a function of the step
+    return total, grad_norm, flags
 
 
-def clip_and_step(optimizer, params: list, max_norm: float) -> torch.Tensor:
-    """Clip the gradients to a total norm of `max_norm` and take the optimizer step; returns the
-    pre-clip norm (a float32 device tensor, no host sync).
+def health_flags(losses: torch.Tensor, grad_norm: torch.Tensor, num_drafters: int = 1, dp_group=None
+                 ) -> torch.Tensor:
+    """[1 + m] float32: [skip, bad micro-batch 0, ..., m-1]. A micro-batch is bad when its loss is
+    not finite; the step is skipped when any drafter rank has a bad micro-batch or the (reduced,
+    hence common) gradient norm is not finite. The MAX all-reduce makes every rank skip the same
+    steps (a NaN loss on one rank usually reaches the others through DDP's gradients, but the
+    weights must never diverge on a 'usually'); it is one more tiny collective, no host sync."""
+    bad_mbs = (~torch.isfinite(losses)).float()
+    skip = (~torch.isfinite(grad_norm)).float().reshape(1)
+    if bad_mbs.numel():
+        skip = torch.maximum(skip, bad_mbs.max())
+    if num_drafters > 1:
+        dist.all_reduce(skip, op=dist.ReduceOp.MAX, group=dp_group)
+    return torch.cat([skip, bad_mbs])
+
+
+def clip_and_step(optimizer, params: list, max_norm: float, skip: torch.Tensor | None = None,
+                  norm: torch.Tensor | None = None) -> torch.Tensor:
+    """Clip the gradients to a total norm of `max_norm` and take the optimizer step, unless
+    `skip` (a 0/1 device tensor, `health_flags`) is 1; returns the pre-clip norm (a float32
+    device tensor, no host sync; pass `norm` when already computed).
 
     A fused AdamW (and MasterWeightAdamW) applies the clip inside its kernel: it divides every
     gradient by `grad_scale` (the hook GradScaler uses), so `clip_grad_norm_`'s separate
@@ -123,14 +149,18 @@ def clip_and_step(optimizer, params: list, max_norm: float) -> torch.Tensor:
     g * (max_norm / (norm + 1e-6)), both only when the norm exceeds max_norm. The norm is summed
     in float32 also over bf16 gradients.
     """
-    grads = [p.grad for p in params]
-    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+    norm = total_grad_norm(params) if norm is None else norm
     if optimizer.defaults.get("fused") or isinstance(optimizer, MasterWeightAdamW):
         optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)
     else:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
-    optimizer.step()
+    step_unless(optimizer, skip if skip is not None else torch.zeros((), device=norm.device))
     return norm
+
+
+def total_grad_norm(params: list) -> torch.Tensor:
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params], 2,
+                                                                    dtype=torch.float32)))
 
 
 def reduce_stats(stats: LossStats, ctx: StepContext) -> LossStats:

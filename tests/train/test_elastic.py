@@ -1,0 +1,75 @@
+"""Elastic resume: a checkpoint taken with D drafter processes resumes with D' (3 -> 2 and 2 -> 3,
+colocated <-> disaggregated) and continues the same global batches, so the losses after the
+resume equal an uninterrupted D' run's (float tolerance: D and D' sum the same gradients in
+another order and split them into other micro-batch groups).
+
+What may change: the number of drafter ranks, topology.mode, topology.target_ranks,
+train.micro_batch. What may not (train/provenance.py refuses it by name): train.seqs_per_step,
+train.seed, train.num_anchors, the data, target, tokenizer and drafter (the last four unless
+train.allow_changed)."""
+
+import os
+import shutil
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_pipeline import env, losses, train_cmd
+
+pytestmark = pytest.mark.slow
+
+STEPS, CKPT = 4, 2
+LAYOUTS = {3: ("topology.mode=colocated",), 2: ("topology.mode=disaggregated", "topology.target_ranks=1")}
+
+
+def _run(drafters, target, out, *extra):
+    args = ["--recipe", "tiny", f"target.model={target}", "data.train=chitchat", "data.regenerate=false",
+            "data.max_samples=60", "data.max_len=128", "train.epochs=4", f"train.max_steps={STEPS}", "train.seqs_per_step=6",
+            "train.micro_batch=1", f"train.ckpt_every={CKPT}", "train.keep_last=5", "train.eval_every=100",
+            "train.log_every=1", "drafter.num_taps=3", "eval.num_prompts=0", f"train.out_dir={out}",
+            *LAYOUTS[drafters], *extra]
+    proc = subprocess.run(train_cmd(3) + args, env=env(), timeout=500, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _rewind(run: os.PathLike, to: os.PathLike) -> None:
+    """A copy of `run` as it was right after its step-CKPT checkpoint (later checkpoints removed)."""
+    shutil.copytree(run, to, symlinks=True)
+    root = to / "checkpoints"
+    for path in root.glob("step_*"):
+        if int(path.name.split("_")[1]) > CKPT:
+            shutil.rmtree(path)
+    for link in ("latest", "best"):
+        (root / link).unlink(missing_ok=True)
+    (root / "latest").symlink_to(f"step_{CKPT:08d}")
+
+
+def _weights(out):
+    return load_file(str(out / "checkpoints" / f"step_{STEPS:08d}" / "drafter" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny_target_dir, tmp_path_factory):
+    runs = {d: tmp_path_factory.mktemp(f"d{d}") for d in LAYOUTS}
+    for d, out in runs.items():
+        _run(d, tiny_target_dir, out)
+    return runs
+
+
+@pytest.mark.parametrize("before,after", [(3, 2), (2, 3)])
+def test_resume_with_another_number_of_drafter_ranks_continues_the_same_trajectory(uninterrupted, tiny_target_dir,
+                                                                                 tmp_path, before, after):
+    resumed = tmp_path / "resumed"
+    _rewind(uninterrupted[before], resumed)
+    proc = _run(after, tiny_target_dir, resumed, "train.resume=true")
+    assert f"resumed from {resumed / 'checkpoints' / f'step_{CKPT:08d}'}" in proc.stdout
+    got, want = losses(resumed), losses(uninterrupted[after])
+    assert sorted(got) == list(range(1, STEPS + 1))
+    assert len({round(v, 4) for v in want.values()}) == STEPS  # the loss moves: the comparison is not vacuous
+    for step in range(CKPT + 1, STEPS + 1):
+        assert got[step] == pytest.approx(want[step], rel=1e-4, abs=1e-6), step
+    final, reference = _weights(resumed), _weights(uninterrupted[after])
+    for name, tensor in reference.items():
+        torch.testing.assert_close(final[name], tensor, rtol=1e-4, atol=1e-6)
