@@ -60,6 +60,12 @@ class TappedSamples:
         return cls(samples, tap_list)
 
 
+def has_recurrent_layers(config) -> bool:
+    """Hybrid targets (Qwen3-Next / Qwen3.5 style): some layers carry a recurrent state, not a KV cache."""
+    text = getattr(config, "text_config", None) or config
+    return "linear_attention" in (getattr(text, "layer_types", None) or ())
+
+
 def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -78,6 +84,9 @@ def _generate_batch(target, prompts: list[list[int]], layer_ids: list[int], max_
     A row that has produced its end-of-turn token leaves the batch and the KV cache at once
     (`DynamicCache.batch_select_indices`): on a CPU the cost of a decode step grows with the rows
     in it, and chat replies differ in length by 5x, so finished rows would waste most of the work.
+    Hybrid targets (linear-attention layers) keep finished rows in the batch, their outputs ignored:
+    transformers' batch selection does not cover their recurrent states, and their cache is the
+    model's own (config-aware) one.
     """
     from dflash_train.eval.spec_decode import _cache_kwarg, new_cache
 
@@ -85,9 +94,11 @@ def _generate_batch(target, prompts: list[list[int]], layer_ids: list[int], max_
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop_ids[0]
     ids, mask = _left_pad(prompts, pad)
     ids, mask = ids.to(target.device), mask.to(target.device)
-    cache, cache_arg = new_cache(), _cache_kwarg(type(model))
+    cache_arg, recurrent = _cache_kwarg(type(model)), has_recurrent_layers(model.config)
     out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                use_cache=True, output_hidden_states=True, logits_to_keep=1, **{cache_arg: cache})
+                use_cache=True, output_hidden_states=True, logits_to_keep=1,
+                **({} if recurrent else {cache_arg: new_cache()}))
+    cache = getattr(out, cache_arg)
     width = ids.shape[1]
     prompt_taps = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)  # [b, P, K*H]
     responses = [[] for _ in prompts]
@@ -95,15 +106,20 @@ def _generate_batch(target, prompts: list[list[int]], layer_ids: list[int], max_
     active = list(range(len(prompts)))
     next_tok = out.logits[:, -1].argmax(-1)  # [b]
     positions = mask.sum(-1)  # next position of each active row
+    finished = set()  # rows done but still in the batch (hybrid targets only)
     for _ in range(max_new_tokens):
         keep = []
         for j, (row, token) in enumerate(zip(active, next_tok.tolist())):
+            if row in finished:
+                continue
             responses[row].append(token)
             if token not in stop_ids and len(responses[row]) < max_new_tokens:
                 keep.append(j)
+            else:
+                finished.add(row)
         if not keep:
             break
-        if len(keep) < len(active):
+        if len(keep) < len(active) and not recurrent:
             index = torch.tensor(keep, device=ids.device)
             cache.batch_select_indices(index)
             mask, next_tok, positions = mask[index], next_tok[index], positions[index]
@@ -113,7 +129,8 @@ def _generate_batch(target, prompts: list[list[int]], layer_ids: list[int], max_
                     use_cache=True, output_hidden_states=True, **{cache_arg: cache})
         step_taps = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)[:, 0]  # [b', K*H]
         for j, row in enumerate(active):
-            fed_taps[row].append(step_taps[j].to(storage_dtype))
+            if row not in finished:
+                fed_taps[row].append(step_taps[j].to(storage_dtype))
         next_tok, positions = out.logits[:, -1].argmax(-1), positions + 1
     rows = []
     for r, prompt in enumerate(prompts):
