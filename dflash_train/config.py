@@ -57,6 +57,13 @@ class DrafterConfigSpec:
 class DataConfig:
     train: str = DEFAULT_DATA
     """`default`, a JSONL file (ShareGPT or OpenAI shape), an HF dataset saved to disk, or parquet."""
+    format: str = "chat"
+    """chat: conversations through the target's chat template, loss on assistant turns. text: plain-text
+    continuation for base models without a chat template (data/text.py): each document (a `text` field,
+    or a .txt file's blank-line-separated paragraphs) splits into a prompt and a continuation, which the
+    target regenerates when `regenerate`; loss on the continuation only."""
+    text_prompt_tokens: int = 64
+    """text format: tokens of each document given as the prompt (at most half the document)."""
     eval_fraction: float = 0.02
     max_len: int = 3072
     min_loss_tokens: int = 2

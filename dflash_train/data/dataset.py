@@ -26,7 +26,8 @@ def _is_heldout(sample_id: str, fraction: float) -> bool:
 
 def cache_key(cfg: DataConfig, target_name: str, seed: int) -> str:
     parts = json.dumps([cfg.train, cfg.max_len, cfg.min_loss_tokens, cfg.thinking, cfg.max_samples, cfg.regenerate,
-                        cfg.regen_max_new_tokens, target_name, seed, 2], sort_keys=True)
+                        cfg.regen_max_new_tokens, target_name, seed, 2]
+                       + ([cfg.format, cfg.text_prompt_tokens] if cfg.format != "chat" else []), sort_keys=True)
     return hashlib.sha256(parts.encode()).hexdigest()[:16]
 
 
@@ -46,6 +47,10 @@ def _tokenize_into(out: Path, cfg: DataConfig, target, target_name: str, work_di
                    heartbeat) -> None:
     from dflash_train.data.conversations import read_conversations, tokenize_conversations
 
+    if cfg.format == "text":  # base models: plain-text continuations (data/text.py)
+        from dflash_train.data.text import continuation_samples
+
+        return _write_samples(out, continuation_samples(cfg, target, seed, log, heartbeat), cfg)
     conversations, bad = read_conversations(cfg.train, skip_bad_rows=cfg.skip_bad_rows,
                                             max_samples=cfg.max_samples, seed=seed)
     log(f"data: {len(conversations)} conversations from {cfg.train}; {bad.summary()}")
@@ -54,8 +59,12 @@ def _tokenize_into(out: Path, cfg: DataConfig, target, target_name: str, work_di
     samples, bad = tokenize_conversations(target.tokenizer, conversations, cfg.max_len, cfg.min_loss_tokens,
                                           cfg.thinking, bad)
     log(f"data: {len(samples)} tokenized samples; {bad.summary()}")
+    _write_samples(out, samples, cfg, bad.summary())
+
+
+def _write_samples(out: Path, samples, cfg: DataConfig, why: str = "see the log above") -> None:
     if not samples:
-        raise ValueError(f"data {cfg.train!r}: no usable samples ({bad.summary()})")
+        raise ValueError(f"data {cfg.train!r}: no usable samples ({why})")
     out.write_text("".join(json.dumps({"id": s.id, "input_ids": s.input_ids, "loss_mask": s.loss_mask})
                            + "\n" for s in samples))
 
@@ -105,12 +114,20 @@ def _regenerate_and_tap(cfg: DataConfig, target, layer_ids: list[int], seed: int
     from dflash_train.data.conversations import read_conversations
     from dflash_train.data.regen_taps import regenerate_with_taps
 
+    if cfg.format == "text":  # base models: plain-text continuations (data/text.py)
+        from dflash_train.data.text import continuations_with_taps
+
+        return _checked_tapped(cfg, *continuations_with_taps(cfg, target, layer_ids, seed, log, heartbeat), log)
     conversations, bad = read_conversations(cfg.train, skip_bad_rows=cfg.skip_bad_rows,
                                             max_samples=cfg.max_samples, seed=seed)
     log(f"data: {len(conversations)} conversations from {cfg.train}; {bad.summary()}")
     tapped, report = regenerate_with_taps(target, conversations, layer_ids, cfg.regen_max_new_tokens,
                                           cfg.regen_batch_size, cfg.max_len, cfg.thinking, cfg.min_loss_tokens,
                                           heartbeat=heartbeat)
+    return _checked_tapped(cfg, tapped, report, log)
+
+
+def _checked_tapped(cfg: DataConfig, tapped, report: dict, log):
     log(f"data: regenerated and tapped {report['samples']} samples, {report['new_tokens']} new tokens in "
         f"{report['seconds']:.0f}s ({report['new_tokens'] / max(report['seconds'], 1e-9):.0f} tok/s); "
         f"skipped {report['skipped']}")

@@ -150,15 +150,27 @@ def regenerate_with_taps(target, conversations, layer_ids: list[int], max_new_to
                          storage_dtype: torch.dtype = torch.bfloat16, heartbeat=None) -> tuple[TappedSamples, dict]:
     """Greedy target responses for every conversation's last user turn, with their taps."""
     from dflash_train.data.conversations import render_chat
-    from dflash_train.data.regenerate import end_of_turn_ids, prompt_messages
+    from dflash_train.data.regenerate import prompt_messages
 
-    stop_ids = end_of_turn_ids(target)
     encoded = []
     for conv in conversations:
         text = render_chat(target.tokenizer, prompt_messages(conv.messages), add_generation_prompt=True,
                            thinking=thinking)
         encoded.append((conv.id, target.tokenizer(text, add_special_tokens=False)["input_ids"]))
-    encoded.sort(key=lambda e: -len(e[1]))  # little padding per batch; an OOM shows at once
+    return regenerate_prompts_with_taps(target, encoded, layer_ids, max_new_tokens, batch_size, max_len,
+                                        min_loss_tokens, storage_dtype, heartbeat)
+
+
+def regenerate_prompts_with_taps(target, encoded: list[tuple[str, list[int]]], layer_ids: list[int],
+                                 max_new_tokens: int, batch_size: int, max_len: int, min_loss_tokens: int = 2,
+                                 storage_dtype: torch.dtype = torch.bfloat16,
+                                 heartbeat=None) -> tuple[TappedSamples, dict]:
+    """Greedy target continuations of token-id prompts `(id, ids)`, with their taps (the chat and the
+    plain-text formats share this)."""
+    from dflash_train.data.regenerate import end_of_turn_ids
+
+    stop_ids = end_of_turn_ids(target)
+    encoded = sorted(encoded, key=lambda e: -len(e[1]))  # little padding per batch; an OOM shows at once
     samples, taps, skipped, new_tokens = [], [], {"too_long": 0, "too_few_loss_tokens": 0}, 0
     start = time.perf_counter()
     bar = tqdm(total=len(encoded), unit="prompt", desc="regenerate+tap", dynamic_ncols=True)

@@ -203,11 +203,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def command(args: argparse.Namespace) -> int:
     """Run `dflash-train regenerate`; ends with a verdict line."""
     try:
+        from dflash_train.data.text import check_data_format
         from dflash_train.model.target import load_target
 
         conversations, bad = read_conversations(args.data, args.skip_bad_rows, args.max_samples, args.seed)
         print(f"regenerate: {len(conversations)} conversations from {args.data}; {bad.summary()}", flush=True)
-        target = load_target(args.target, dtype=args.dtype, device=args.device)
+        target = load_target(args.target, dtype=args.dtype, device=args.device,
+                             check_tokenizer=lambda tok: check_data_format("chat", tok, args.target))
         r = regenerate(target, conversations, args.out, args.max_new_tokens, args.batch_size,
                        args.temperature, args.thinking, args.seed)
     except Exception as e:  # the verdict line must name the cause, whatever it is

@@ -406,11 +406,13 @@ def command(args: argparse.Namespace) -> int:
 
 def _prepare_from_args(args: argparse.Namespace) -> tuple[PrepareReport, str]:
     from dflash_train.data.conversations import read_conversations, tokenize_conversations
+    from dflash_train.data.text import check_data_format
     from dflash_train.model.target import build_target_layer_ids, load_target
 
     thinking = None if args.thinking is None else args.thinking == "on"
     conversations, bad = read_conversations(args.data, args.skip_bad_rows, args.max_samples, args.seed)
-    target = load_target(args.target, dtype=args.dtype, device=args.device)
+    target = load_target(args.target, dtype=args.dtype, device=args.device,
+                         check_tokenizer=lambda tok: check_data_format("chat", tok, args.target))
     samples, bad = tokenize_conversations(target.tokenizer, conversations, args.max_len, args.min_loss_tokens,
                                           thinking, bad)
     print(f"prepare: {len(samples)} samples from {len(conversations)} conversations; {bad.summary()}", flush=True)

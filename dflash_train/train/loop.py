@@ -136,12 +136,14 @@ def _run(cfg, topo, device, dp_group, out_dir, log, watchdog, stop) -> dict:
 
 def _prepare(run: Run) -> Run:
     """Target, drafter config, samples (and taps where stored), batching, resume point."""
+    from dflash_train.data.text import check_data_format
     from dflash_train.model.target import load_target
 
     cfg, topo = run.cfg, run.topo
     with run.watchdog.stage("load target"):
         run.target = load_target(cfg.target.model, cfg.target.gguf_file, cfg.target.dtype, run.device,
-                                 cfg.target.trust_remote_code)
+                                 cfg.target.trust_remote_code, check_tokenizer=lambda tok: check_data_format(
+                                     cfg.data.format, tok, cfg.target.model, cfg.eval.num_prompts))
     run.dcfg = setup.build_drafter_config(cfg, run.target)
     with run.watchdog.stage("prepare data"):
         if topo.mode == "offline":
