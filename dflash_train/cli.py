@@ -20,6 +20,7 @@ COMMANDS = {
     "prepare": ("dflash_train.data.shards", "write offline hidden-state shards"),
     "doctor": ("dflash_train.diagnostics.doctor", "staged environment and compile diagnostics"),
     "export": ("dflash_train.model.export_command", "export a drafter checkpoint (z-lab or speculators format)"),
+    "plan": ("dflash_train.plan_command", "memory per process, layouts that fit, expected tokens/s"),
 }
 
 
