@@ -226,6 +226,65 @@ def measure_matmul_peak(device: torch.device, bench: Bench | None = None) -> tup
     return flops, label
 
 
+def measure_fp8_peak(device: torch.device, bench: Bench | None = None) -> tuple[float, str] | None:
+    """Achieved float8 matmul FLOP/s: e4m3 8192^3 `torch._scaled_mm` (tensorwise scales, bf16 out),
+    timed with CUDA events like the bf16 peak; None where float8 matmuls do not run (CPU, < sm89)."""
+    from dflash_train.fp8 import fp8_problem
+
+    if fp8_problem(device) is not None:
+        return None
+    n, reps = 8192, 20
+    a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn).t()  # column-major, as _scaled_mm wants
+    one = torch.ones((), device=device)
+
+    def mm():
+        return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+
+    for _ in range(3):
+        mm()
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        mm()
+    end.record()
+    torch.cuda.synchronize(device)
+    flops = 2 * n ** 3 / (start.elapsed_time(end) / 1e3 / reps)
+    label = f"e4m3 {n}^3 torch._scaled_mm, tensorwise scales, CUDA events"
+    if bench is not None:
+        bench.log(f"measured fp8 matmul peak {flops / 1e12:.3f} TFLOP/s ({label})")
+    return flops, label
+
+
+def add_precision_args(p) -> None:
+    """--precision and --fp8-recipe, as train.precision / train.fp8_recipe (target.precision for the target)."""
+    p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16",
+                   help="fp8: linear layers in float8 through torchao (needs the fp8 extra and an sm89+ GPU)")
+    p.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise"), default=None,
+                   help="float8 scaling (default: tensorwise for the drafter, rowwise for the target)")
+
+
+def peaks(bench: Bench, device: torch.device, st: dict) -> None:
+    """Measure the bf16 (fp32 on CPU) and, where it runs, the fp8 matmul peak into st['peak'] and
+    st['fp8_peak'], with their figures; MFU is reported against both (`report_mfu`)."""
+    peak, label = measure_matmul_peak(device, bench)
+    st["peak"] = peak
+    bench.figure("matmul_peak_tflops", peak / 1e12, label)
+    fp8 = measure_fp8_peak(device, bench)
+    if fp8 is not None:
+        st["fp8_peak"] = fp8[0]
+        bench.figure("fp8_matmul_peak_tflops", fp8[0] / 1e12, fp8[1])
+
+
+def report_mfu(bench: Bench, st: dict, flops_per_s: float, note: str) -> None:
+    """MFU of model FLOPs (counted as in bf16) against the measured bf16 peak and the fp8 peak."""
+    if "peak" in st:
+        bench.figure("mfu", flops_per_s / st["peak"], f"vs measured bf16 matmul peak, {note}")
+    if "fp8_peak" in st:
+        bench.figure("mfu_vs_fp8_peak", flops_per_s / st["fp8_peak"], f"vs measured fp8 matmul peak, {note}")
+
+
 def peak_memory_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / GIB
@@ -329,7 +388,7 @@ def synthetic_microbatch(rows: int, seq_len: int, num_anchors: int, vocab: int, 
         anchors[r], keep[r] = sample_anchors(loss_mask[r], num_anchors, torch.Generator().manual_seed(seed + r))
     taps = (torch.randn(rows, seq_len, taps_width, device=device, dtype=torch.float32)).to(taps_dtype)
     return MicroBatch([f"bench{seed}-{r}" for r in range(rows)], input_ids, loss_mask, loss_mask.clone(),
-                      anchors, keep, taps)
+                      anchors, keep, {"taps": taps})
 
 
 def mean_context(mb) -> float:
@@ -339,16 +398,15 @@ def mean_context(mb) -> float:
 
 
 def step_context(dcfg, embed, lm_head, device: torch.device, backend: str, chunk_tokens: int,
-                 dp_group=None, num_drafters: int = 1, compile_loss: bool = False):
+                 dp_group=None, num_drafters: int = 1, compile_loss: bool = False, persistent_masks=None):
     from dflash_train.config import derived_gamma
     from dflash_train.train.step import StepContext
 
-    return StepContext(embed_weight=embed, lm_head_weight=lm_head, block_size=dcfg.block_size,
-                       mask_token_id=dcfg.mask_token_id, layer_types=dcfg.layer_types,
-                       sliding_window=dcfg.sliding_window, gamma=derived_gamma(dcfg.block_size, None),
-                       chunk_tokens=chunk_tokens, backend=backend, device=device,
-                       autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
-                       dp_group=dp_group, num_drafters=num_drafters, compile_loss=compile_loss)
+    return StepContext(embed_weight=embed, lm_head_weight=lm_head, drafter=dcfg,
+                       gamma=derived_gamma(dcfg.block_size, None), chunk_tokens=chunk_tokens, backend=backend,
+                       device=device, autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+                       dp_group=dp_group, num_drafters=num_drafters, compile_loss=compile_loss,
+                       persistent_masks=persistent_masks)
 
 
 def frozen_embeddings(vocab: int, hidden: int, device: torch.device, dtype: torch.dtype, std: float = 0.02):

@@ -5,6 +5,7 @@ compiled-vs-eager speed of the training attention.
     python bench/drafter_step.py --block-size 32 --anchors 64      # the original pipeline's config
     python bench/drafter_step.py --attention sdpa                  # dense-mask SDPA instead of flex
     python bench/drafter_step.py --small                           # tiny shapes, CPU, seconds
+    python bench/drafter_step.py --precision fp8 --fp8-recipe rowwise   # float8 linears (torchao, sm89+)
 
 It runs the package's real step: `parallelize` (torch.compile of the drafter), `train_step`
 (analytic BlockMask, bf16 autocast, chunked lm_head + CE, clip, AdamW) on random weights and random
@@ -14,7 +15,7 @@ target dtype (bf16 on GPU).
 
 Figures: tokens/s (sequence tokens S per second), median step time (each step CUDA-synchronised),
 MFU against a bf16 matmul peak measured in the same run (fp32 on CPU) with the model FLOPs of
-bench/flops.py, peak memory, and attention fwd+bwd compiled flex vs uncompiled flex (the goal is
+bench/flops.py (counted the same in fp8), and against an fp8 matmul peak where float8 runs, peak memory, and attention fwd+bwd compiled flex vs uncompiled flex (the goal is
 compiled >= 15x faster). CPU flex has no backward, so on CPU the attention ratio is forward-only.
 """
 
@@ -50,6 +51,7 @@ def parse(argv=None):
                    "(CUDA graphs); default: torch's default")
     p.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 weights + float32 masters in the optimizer (default: on for CUDA, as the trainer)")
+    C.add_precision_args(p)
     p.add_argument("--chunk-tokens", type=int, default=2048, help="lm_head/CE chunk rows (loss.chunk_tokens)")
     p.add_argument("--compile-loss", action=argparse.BooleanOptionalAction, default=None,
                    help="fuse the loss passes with torch.compile (default: as --compile)")
@@ -67,6 +69,7 @@ def parse(argv=None):
     a.layers = a.layers or (2 if a.small else 5)
     a.steps = a.steps or (3 if a.small else 10)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.small else 3)
+    a.fp8_recipe = a.fp8_recipe or "tensorwise"
     return a
 
 
@@ -86,21 +89,17 @@ def main(argv=None) -> int:
     taps_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     S, N, B, rows = a.seq_len, a.anchors, a.block_size, a.batch
     b.info.update(device=str(device), backend=backend, compiled=compiled, seq_len=S, anchors=N, block_size=B,
-                  layers=a.layers, batch=rows, chunk_tokens=a.chunk_tokens)
+                  layers=a.layers, batch=rows, chunk_tokens=a.chunk_tokens, precision=a.precision,
+                  fp8_recipe=a.fp8_recipe if a.precision == "fp8" else None)
     b.log(f"device {device}, attention {backend}, compile {compiled}, S={S} N={N} B={B} layers={a.layers} "
-          f"batch={rows}, {a.warmup} warm-up + {a.steps} timed steps")
+          f"batch={rows}, precision {a.precision}{f' ({a.fp8_recipe})' if a.precision == 'fp8' else ''}, {a.warmup} warm-up + {a.steps} timed steps")
     st: dict = {}
 
     with b.phase("build"):
         st.update(build(a, b, device, backend, compiled, taps_dtype))
 
     with b.phase("matmul peak"):
-        peak, label = C.measure_matmul_peak(device, b)
-        st["peak"] = peak
-        b.figure("matmul_peak_tflops", peak / 1e12, label)
-
-    if a.compile_mode == "reduce-overhead":
-        persistent_mask_tensors()
+        C.peaks(b, device, st)
 
     def step():
         from dflash_train.train.step import train_step
@@ -138,8 +137,7 @@ def main(argv=None) -> int:
             b.figure("step_time_mean_s", sum(times) / len(times))
             b.figure("tokens_per_s", tokens / med, "sequence tokens S per second")
             b.figure("drafter_tflops_achieved", st["flops"]["drafter"]["train"] / med / 1e12)
-            if "peak" in st:
-                b.figure("mfu", st["flops"]["drafter"]["train"] / med / st["peak"], "vs measured matmul peak")
+            C.report_mfu(b, st, st["flops"]["drafter"]["train"] / med, "drafter train FLOPs")
             if device.type == "cuda":
                 b.figure("mfu_vs_790", st["flops"]["drafter"]["train"] / med / (C.ISSUE_PEAK_TFLOPS * 1e12))
                 b.figure("peak_memory_gib", C.peak_memory_gib(device), "max_memory_allocated, timed steps")
@@ -180,11 +178,12 @@ def main(argv=None) -> int:
 
 
 def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> dict:
-    """Random drafter (float32; bf16 once the master-weight optimizer takes it), frozen
+    """Random drafter (float32; bf16 once parallelize applies the master-weight param dtype), frozen
     embedding/lm_head and taps (target dtype), optimizer, the compiled model; returned in a dict so
     that dropping the dict frees them."""
     from dflash_train.config import OptimConfig
-    from dflash_train.train.optim import build_optimizer
+    from dflash_train.model.attention import PersistentMasks
+    from dflash_train.train.optim import build_optimizer, param_dtype
     from dflash_train.train.parallel import parallelize
 
     S, N, rows = a.seq_len, a.anchors, a.batch
@@ -195,13 +194,17 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
     mb = C.synthetic_microbatch(rows, S, N, tcfg.vocab_size, dcfg.num_taps * dcfg.hidden_size, taps_dtype, device)
     compile_loss = compiled if a.compile_loss is None else a.compile_loss
     b.info["compile_loss"] = compile_loss
-    ctx = C.step_context(dcfg, embed, lm_head, device, backend, a.chunk_tokens, compile_loss=compile_loss)
+    # CUDA graphs replay fixed addresses: keep the masks' tensors in place (attention.PersistentMasks)
+    persistent = PersistentMasks() if a.compile_mode == "reduce-overhead" else None
+    ctx = C.step_context(dcfg, embed, lm_head, device, backend, a.chunk_tokens, compile_loss=compile_loss,
+                         persistent_masks=persistent)
     if a.master_weights and device.type != "cuda":
         raise ValueError("--master-weights needs CUDA: the bf16 weights rely on bf16 autocast; CPU steps run in float32")
     optimizer, scheduler = build_optimizer(drafter.parameters(), OptimConfig(), 1000, master_weights=a.master_weights)
     b.info["master_weights"] = type(optimizer).__name__ != "AdamW"
     model = parallelize(drafter, device=device, compile_model=compiled, dp_group=None, num_drafters=1,
-                        compile_mode=a.compile_mode)
+                        param_dtype=param_dtype(optimizer), compile_mode=a.compile_mode, precision=a.precision,
+                        fp8_recipe=a.fp8_recipe, log=b.log)
     b.info["compile_mode"] = a.compile_mode
     flops = C.flops_for(tcfg, dcfg, seq_len=S, num_anchors=N, batch=rows, mean_ctx=C.mean_context(mb))
     params = sum(p.numel() for p in drafter.parameters())
@@ -212,36 +215,6 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
           f"{params / 1e6:.1f}M params; taps {tuple(mb.taps.shape)} {taps_dtype}")
     return dict(tcfg=tcfg, dcfg=dcfg, drafter=drafter, mb=mb, ctx=ctx, optimizer=optimizer, scheduler=scheduler,
                 model=model, flops=flops)
-
-
-def persistent_mask_tensors() -> None:
-    """For CUDA graphs (--compile-mode reduce-overhead): a graph replays fixed addresses, and both
-    the BlockMask's tile tensors and the tensors its mask_mod captures (each query's key
-    intervals) are taken as static inputs, so new tensors each step force a re-recording (0.175
-    s/step, PERF.md 3.2; TORCH_LOGS=cudagraphs names them). Copy each step's values into the
-    tensors of the first step instead (an experiment: the trainer has no CUDA-graph mode)."""
-    from dflash_train.model import attention
-
-    build_intervals, build_mask, kept = attention._query_intervals, attention.analytic_block_mask, {}
-
-    def intervals_into_buffers(*args, **kwargs):
-        fresh = build_intervals(*args, **kwargs)
-        buffers = kept.setdefault(tuple(t.shape for t in fresh), tuple(torch.empty_like(t) for t in fresh))
-        for buffer, t in zip(buffers, fresh):
-            buffer.copy_(t)
-        return buffers
-
-    def mask_into_first(*args, **kwargs):
-        fresh = build_mask(*args, **kwargs)
-        first = kept.setdefault(("mask", fresh.shape), fresh)
-        for name in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
-                     "q_indices", "full_q_num_blocks", "full_q_indices"):
-            if first is not fresh and getattr(fresh, name, None) is not None:
-                getattr(first, name).copy_(getattr(fresh, name))
-        return first
-
-    attention._query_intervals = intervals_into_buffers
-    attention.analytic_block_mask = mask_into_first
 
 
 def attention_ratio(b: C.Bench, dcfg, mb, device: torch.device, dtype: torch.dtype, reps: int) -> None:
@@ -329,11 +302,13 @@ def attention_ratio(b: C.Bench, dcfg, mb, device: torch.device, dtype: torch.dty
 
 def verdict(b: C.Bench, device) -> str:
     f = b.figures
-    parts = []
+    parts = [f"precision {b.info.get('precision')}" + (f" ({b.info['fp8_recipe']})" if b.info.get("fp8_recipe") else "")]
     if "tokens_per_s" in f:
         parts.append(f"{C.fmt_rate(f['tokens_per_s'])}, {f['step_time_median_s']:.3f} s/step")
     if "mfu" in f:
-        parts.append(f"MFU {f['mfu']:.1%} of measured {f.get('matmul_peak_tflops', float('nan')):.4g} TFLOP/s")
+        parts.append(f"MFU {f['mfu']:.1%} of measured bf16 {f.get('matmul_peak_tflops', float('nan')):.4g} TFLOP/s")
+    if "mfu_vs_fp8_peak" in f:
+        parts.append(f"{f['mfu_vs_fp8_peak']:.1%} of measured fp8 {f['fp8_matmul_peak_tflops']:.4g} TFLOP/s")
     if "peak_memory_gib" in f:
         parts.append(f"peak {f['peak_memory_gib']:.1f} GiB")
     if "speedup_vs_speculators" in f:

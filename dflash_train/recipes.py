@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from dflash_train.config import RunConfig
+from dflash_train.config import ConfigError, RunConfig
 
 
 def paper() -> RunConfig:
@@ -54,5 +54,5 @@ RECIPES = {"default": default, "paper": paper, "tiny": tiny}
 
 def get(name: str) -> RunConfig:
     if name not in RECIPES:
-        raise ValueError(f"unknown recipe {name!r}; available: {', '.join(RECIPES)}")
+        raise ConfigError(f"unknown recipe {name!r}; available: {', '.join(RECIPES)}")
     return RECIPES[name]()

@@ -1,6 +1,6 @@
 import pytest
 
-from dflash_train.config import RunConfig, apply_overrides, derived_gamma, from_dict
+from dflash_train.config import ConfigError, RunConfig, apply_overrides, derived_gamma, field_docs, from_dict
 
 
 def test_overrides_parse_by_type():
@@ -16,8 +16,18 @@ def test_unknown_keys_are_errors_naming_valid_ones():
         apply_overrides(RunConfig(), ["train.max_stepz=5"])
     with pytest.raises(ValueError, match="unknown config section"):
         apply_overrides(RunConfig(), ["trian.max_steps=5"])
-    with pytest.raises(ValueError, match="expected int"):
+    with pytest.raises(ConfigError, match="expected int"):
         apply_overrides(RunConfig(), ["train.max_steps=five"])
+
+
+def test_enumerated_fields_reject_other_values_when_parsed():
+    assert apply_overrides(RunConfig(), ["topology.mode=offline"]).topology.mode == "offline"
+    with pytest.raises(ConfigError, match="topology.mode='ofline': expected one of colocated, disaggregated, offline"):
+        apply_overrides(RunConfig(), ["topology.mode=ofline"])
+    with pytest.raises(ConfigError, match="expected bool"):
+        apply_overrides(RunConfig(), ["data.thinking=maybe"])
+    cfg = apply_overrides(RunConfig(), ["data.thinking=on", "doctor.stages=disk, p2p", "eval.block_size=null"])
+    assert cfg.data.thinking is True and cfg.doctor.stages == ("disk", "p2p") and cfg.eval.block_size is None
 
 
 def test_round_trip_through_dict():
@@ -25,6 +35,16 @@ def test_round_trip_through_dict():
     assert from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="unknown config keys"):
         from_dict({"train": {"bogus": 1}})
+    older = cfg.to_dict()
+    del older["doctor"], older["data"]["regen_out"]  # a config.json written before these existed
+    assert from_dict(older) == cfg
+
+
+def test_field_docs_are_the_docstrings_under_the_fields():
+    docs = field_docs()
+    assert docs["train.seqs_per_step"].startswith("Global batch in sequences per optimizer step")
+    assert docs["eval.drafter"].startswith("z-lab drafter directory")
+    assert "train.log_every" not in docs  # no docstring written under it
 
 
 def test_gamma_follows_the_paper():

@@ -6,8 +6,7 @@ from __future__ import annotations
 import pytest
 import transformers
 
-from dflash_train import plan, recipes
-from dflash_train.plan_command import add_arguments, command
+from dflash_train import cli, plan, recipes
 
 TOLERANCE = 0.10  # the goal for the measured peaks
 
@@ -88,13 +87,17 @@ def test_layouts_smallest_first_and_big_targets_need_more(qwen3_8b):
 
 
 def test_plan_command_prints_layouts_and_a_verdict(capsys):
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
-    assert command(parser.parse_args(["--target", "qwen3-30b-a3b", "--gpus", "2"])) == 0
+    assert cli.main(["plan", "--target", "qwen3-30b-a3b", "--gpus", "2"]) == 0
     out = capsys.readouterr().out
     assert "30.53B parameters (3.35B active)" in out and "disaggregated 1T+1D" in out
     assert "dflash-train plan: OK smallest: colocated on 1 GPU(s)" in out
-    assert command(parser.parse_args(["--target", "llama-3.3-70b", "--gpus", "1", "--gpu-gib", "80"])) == 1
-    assert "target group of 2 GPUs" in capsys.readouterr().out
+    assert cli.main(["plan", "--target", "llama-3.3-70b", "--gpus", "1", "--gpu-gib", "80"]) == 1
+    out = capsys.readouterr().out
+    assert "dflash-train plan: FAILED: no layout" in out and "target group of 2 GPUs" in out
+
+
+def test_plan_flags_are_config_fields_and_bad_values_fail_before_planning(capsys):
+    assert cli.main(["plan", "plan.gpus=0"]) == 2  # a ConfigError: nothing computed
+    assert "plan.gpus=0: must be > 0" in capsys.readouterr().out
+    assert cli.main(["plan", "--target", "no-such-shape"]) == 1
+    assert "FAILED: target 'no-such-shape': not a known shape" in capsys.readouterr().out

@@ -21,11 +21,13 @@ from functools import lru_cache
 from pathlib import Path
 
 from dflash_train.data.assistant_templates import assistant_training_prompts
-from dflash_train.data.conversations import Conversation, parse_row
+from dflash_train.data.records import Conversation
+from dflash_train.data.rows import parse_row
 
 CHITCHAT_HELDOUT_PER_MILLE = 20  # ~2% of conversations, by id hash
 EVAL_PROMPTS_FILE = Path(__file__).with_name("assistant_eval_prompts.jsonl")
 MIN_CHITCHAT_EVAL_CHARS = 20  # held-out chitchat prompts skip bare greetings ("hi", "Hello")
+NUM_CHITCHAT_EVAL_PROMPTS = 60
 
 
 def _chitchat_json_path() -> Path:
@@ -36,7 +38,9 @@ def _chitchat_json_path() -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / "dataset.json"
 
 
-def _is_heldout(conv_key: str) -> bool:
+def _chitchat_held_out(conv_key: str) -> bool:
+    """The corpus's own split of conversations (fixed: the LOG's figures were measured on it),
+    distinct from `dataset.is_held_out`, which splits tokenized samples of any source."""
     bucket = int(hashlib.sha256(conv_key.encode()).hexdigest()[:8], 16) % 1000
     return bucket < CHITCHAT_HELDOUT_PER_MILLE
 
@@ -66,7 +70,7 @@ def _all_chitchat() -> tuple[tuple[str, bool, tuple], ...]:
         if not raw.get("messages"):
             continue
         messages = _chitchat_messages(raw)
-        out.append((f"chitchat-{key}", _is_heldout(key), tuple(messages)))
+        out.append((f"chitchat-{key}", _chitchat_held_out(key), tuple(messages)))
     return tuple(out)
 
 
@@ -105,11 +109,11 @@ def assistant_train_conversations() -> list[Conversation]:
 def default_train_conversations(seed: int = 0, max_samples: int | None = None) -> list[Conversation]:
     """A seeded half/half mix of assistant-style prompts and chitchat first-user-turn prompts
     (each a one-message conversation ending with a user turn), shuffled; disjoint from
-    `default_eval_prompts()`. `max_samples` caps the total (half from each source)."""
+    the held-out prompts (`assistant_eval_prompts`, `chitchat_eval_prompts`). `max_samples` caps the total (half from each source)."""
     rng = random.Random(seed)
     assistant = assistant_train_conversations()
     chitchat = _first_turn_prompts("train")
-    eval_texts = {_normalize(m[-1]["content"]) for ms in default_eval_prompts().values() for m in ms}
+    eval_texts = {_normalize(m[-1]["content"]) for m in assistant_eval_prompts() + chitchat_eval_prompts()}
     chitchat = [c for c in chitchat if _normalize(c.messages[0]["content"]) not in eval_texts]
     per_source = min(len(assistant), len(chitchat))
     if max_samples is not None:
@@ -119,7 +123,8 @@ def default_train_conversations(seed: int = 0, max_samples: int | None = None) -
     return mix[:max_samples] if max_samples is not None else mix
 
 
-def _assistant_eval_prompts() -> list[list[dict]]:
+def assistant_eval_prompts() -> list[list[dict]]:
+    """The hand-written held-out requests (message lists ending with a user turn)."""
     out = []
     with open(EVAL_PROMPTS_FILE, encoding="utf-8") as f:
         for line_no, text in enumerate(f, 1):
@@ -128,8 +133,7 @@ def _assistant_eval_prompts() -> list[list[dict]]:
     return out
 
 
-def default_eval_prompts(num_chitchat: int = 60) -> dict[str, list[list[dict]]]:
-    """Held-out prompts: {"assistant": hand-written requests, "chitchat": first user turns of
-    held-out conversations}. Each entry is a message list ending with a user turn."""
-    chitchat = [c.messages for c in _first_turn_prompts("eval", MIN_CHITCHAT_EVAL_CHARS)[:num_chitchat]]
-    return {"assistant": _assistant_eval_prompts(), "chitchat": chitchat}
+def chitchat_eval_prompts() -> list[list[dict]]:
+    """First user turns of held-out chitchat conversations, de-duplicated, bare greetings skipped."""
+    held_out = _first_turn_prompts("eval", MIN_CHITCHAT_EVAL_CHARS)
+    return [c.messages for c in held_out[:NUM_CHITCHAT_EVAL_PROMPTS]]

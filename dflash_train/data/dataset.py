@@ -13,15 +13,37 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from typing import Sequence, TypeVar
 
 from dflash_train import cache
 from dflash_train.config import DataConfig
-from dflash_train.train.batching import Sample
+from dflash_train.data.conversations import read_conversations, tokenize_conversations
+from dflash_train.data.records import Conversation, Sample
+from dflash_train.data.regen_taps import TappedSamples, regenerate_with_taps
+from dflash_train.data.regenerate import regenerate
+from dflash_train.data.text import continuation_samples, continuations_with_taps
+
+Paired = TypeVar("Paired")
 
 
-def _is_heldout(sample_id: str, fraction: float) -> bool:
+def is_held_out(sample_id: str, fraction: float) -> bool:
+    """The held-out split of every data route (samples, tap cache, shards): a hash of the sample id,
+    so a sample stays on its side whatever the sample count or order."""
     h = int.from_bytes(hashlib.blake2b(sample_id.encode(), digest_size=4).digest(), "little")
     return h / 2**32 < fraction
+
+
+def split_held_out(samples: Sequence[Sample], fraction: float, paired: Sequence[Paired] | None = None
+                   ) -> tuple[tuple[list[Sample], list[Paired]], tuple[list[Sample], list[Paired]]]:
+    """`((train samples, their paired items), (held-out samples, theirs))` by `is_held_out`;
+    `paired` (e.g. taps) runs alongside `samples` and defaults to the sample indices."""
+    paired = range(len(samples)) if paired is None else paired
+    split = {False: ([], []), True: ([], [])}
+    for sample, item in zip(samples, paired, strict=True):
+        part = split[is_held_out(sample.id, fraction)]
+        part[0].append(sample)
+        part[1].append(item)
+    return split[False], split[True]
 
 
 def cache_key(cfg: DataConfig, target_name: str, seed: int) -> str:
@@ -45,11 +67,7 @@ def prepare_samples(cfg: DataConfig, target, target_name: str, work_dir: Path, s
 
 def _tokenize_into(out: Path, cfg: DataConfig, target, target_name: str, work_dir: Path, seed: int, log,
                    heartbeat) -> None:
-    from dflash_train.data.conversations import read_conversations, tokenize_conversations
-
     if cfg.format == "text":  # base models: plain-text continuations (data/text.py)
-        from dflash_train.data.text import continuation_samples
-
         return _write_samples(out, continuation_samples(cfg, target, seed, log, heartbeat), cfg)
     conversations, bad = read_conversations(cfg.train, skip_bad_rows=cfg.skip_bad_rows,
                                             max_samples=cfg.max_samples, seed=seed)
@@ -72,9 +90,6 @@ def _write_samples(out: Path, samples, cfg: DataConfig, why: str = "see the log 
 def regenerate_cached(cfg: DataConfig, target, target_name: str, conversations, work_dir: Path, seed: int, log,
                       heartbeat=None):
     """Responses by the target (greedy), cached in an append-only file that resumes."""
-    from dflash_train.data.conversations import Conversation
-    from dflash_train.data.regenerate import regenerate
-
     key = hashlib.sha256(json.dumps([cfg.train, target_name, cfg.regen_max_new_tokens, cfg.thinking,
                                      cfg.max_samples, seed]).encode()).hexdigest()[:16]
     out = work_dir / f"regenerated-{key}.jsonl"
@@ -89,41 +104,33 @@ def regenerate_cached(cfg: DataConfig, target, target_name: str, conversations, 
 
 
 def prepare_tapped(cfg: DataConfig, target, target_name: str, layer_ids: list[int], work_dir: Path, seed: int,
-                   log=print, heartbeat=None):
+                   log=print, heartbeat=None, final_hidden: bool = False):
     """Regenerate + tap in one pass (cached; a concurrent job waits on its lock): (train samples, held-out
-    samples, their taps)."""
-    from dflash_train.data.regen_taps import TappedSamples
-
-    path = work_dir / f"tapped-{cache_key(cfg, target_name, seed)}-{'_'.join(map(str, layer_ids))}.safetensors"
+    samples, their stored rows {name: tensor}); `final_hidden` also keeps the target's final hidden state
+    (a distillation loss), in a cache file of its own."""
+    suffix = "-final" if final_hidden else ""
+    path = work_dir / f"tapped-{cache_key(cfg, target_name, seed)}-{'_'.join(map(str, layer_ids))}{suffix}.safetensors"
 
     def build(tmp: Path) -> None:
-        _regenerate_and_tap(cfg, target, layer_ids, seed, log, heartbeat).save(tmp)
+        _regenerate_and_tap(cfg, target, layer_ids, seed, log, heartbeat, final_hidden).save(tmp)
 
     if not cache.build_once(path, build, f"regenerated samples and taps {path.name}", directory=False, log=log):
         log(f"data: using cached regenerated samples and taps {path}")
     tapped = TappedSamples.load(path)
-    split = {"train": ([], []), "held_out": ([], [])}
-    for sample, taps in zip(tapped.samples, tapped.taps):
-        part = split["held_out" if _is_heldout(sample.id, cfg.eval_fraction) else "train"]
-        part[0].append(sample)
-        part[1].append(taps)
-    return split["train"], split["held_out"]
+    return split_held_out(tapped.samples, cfg.eval_fraction, tapped.rows())
 
 
-def _regenerate_and_tap(cfg: DataConfig, target, layer_ids: list[int], seed: int, log, heartbeat):
-    from dflash_train.data.conversations import read_conversations
-    from dflash_train.data.regen_taps import regenerate_with_taps
-
+def _regenerate_and_tap(cfg: DataConfig, target, layer_ids: list[int], seed: int, log, heartbeat,
+                        final_hidden: bool = False):
     if cfg.format == "text":  # base models: plain-text continuations (data/text.py)
-        from dflash_train.data.text import continuations_with_taps
-
-        return _checked_tapped(cfg, *continuations_with_taps(cfg, target, layer_ids, seed, log, heartbeat), log)
+        return _checked_tapped(cfg, *continuations_with_taps(cfg, target, layer_ids, seed, log, heartbeat,
+                                                             final_hidden), log)
     conversations, bad = read_conversations(cfg.train, skip_bad_rows=cfg.skip_bad_rows,
                                             max_samples=cfg.max_samples, seed=seed)
     log(f"data: {len(conversations)} conversations from {cfg.train}; {bad.summary()}")
     tapped, report = regenerate_with_taps(target, conversations, layer_ids, cfg.regen_max_new_tokens,
                                           cfg.regen_batch_size, cfg.max_len, cfg.thinking, cfg.min_loss_tokens,
-                                          heartbeat=heartbeat)
+                                          heartbeat=heartbeat, final_hidden=final_hidden)
     return _checked_tapped(cfg, tapped, report, log)
 
 
@@ -137,9 +144,8 @@ def _checked_tapped(cfg: DataConfig, tapped, report: dict, log):
 
 
 def load_samples(path: Path, eval_fraction: float) -> tuple[list[Sample], list[Sample]]:
-    train, held_out = [], []
-    for line in path.read_text().splitlines():
-        row = json.loads(line)
-        sample = Sample(row["id"], tuple(row["input_ids"]), tuple(row["loss_mask"]))
-        (held_out if _is_heldout(sample.id, eval_fraction) else train).append(sample)
+    """The cached tokenized samples of `prepare_samples`, split into (train, held-out)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    samples = [Sample(r["id"], tuple(r["input_ids"]), tuple(r["loss_mask"])) for r in rows]
+    (train, _), (held_out, _) = split_held_out(samples, eval_fraction)
     return train, held_out

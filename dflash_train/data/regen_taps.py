@@ -7,11 +7,16 @@ as the drafter training itself). The sample is built from the generated token id
 (prompt ids + response ids up to and including the end-of-turn token), so taps, ids and the
 loss mask line up exactly; nothing is decoded and re-tokenized.
 
-Taps come from incremental decoding with a KV cache, as at inference (`eval/spec_decode.py`).
+Taps come from incremental decoding with a KV cache, as at inference (`eval/spec_decode.py`), and
+are indexed as everywhere (`model/taps.py`).
 The last response token is never fed back, so its tap is zero: no training query sees it (context
 is strictly before an anchor, and an anchor needs a supervised token after it).
 
-The result is cached in one safetensors file (written atomically), keyed by its inputs.
+With `final_hidden` (a distillation loss: loss.kind != ce) the target's last hidden state after
+its final norm is kept the same way, per position, as the entry "final_hidden" of the file.
+
+The result is cached in one safetensors file (written atomically), keyed by its inputs (the file
+name says whether it holds "final_hidden": `data/dataset.py prepare_tapped`).
 """
 
 from __future__ import annotations
@@ -20,44 +25,61 @@ import time
 from dataclasses import dataclass
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from tqdm import tqdm
 
-from dflash_train.train.batching import Sample
+from dflash_train import atomic
+from dflash_train.data.conversations import prompt_messages, render_chat
+from dflash_train.data.records import Sample
+from dflash_train.data.regenerate import end_of_turn_ids
+from dflash_train.model.decoding import cache_kwarg, left_pad, mask_positions, new_cache
+from dflash_train.model.taps import select_taps
+
+
+FINAL_HIDDEN = "final_hidden"  # as in train/taps.py (the data layer does not import the trainer)
 
 
 @dataclass
 class TappedSamples:
     samples: list[Sample]
     taps: list[torch.Tensor]  # per sample [len, K*H], storage dtype
+    final_hidden: list[torch.Tensor] | None = None  # per sample [len, H] after the final norm, when stored
+
+    def rows(self) -> list[dict[str, torch.Tensor]]:
+        """Per sample {name: [len, width]}: what the trainer's StoredRows reads."""
+        rows = [{"taps": t} for t in self.taps]
+        for row, hidden in zip(rows, self.final_hidden or []):
+            row[FINAL_HIDDEN] = hidden
+        return rows
 
     def save(self, path) -> None:
-        from safetensors.torch import save_file
-
-        from dflash_train import atomic
-
         lengths = torch.tensor([len(s) for s in self.samples])
         tensors = {"lengths": lengths,
                    "input_ids": torch.tensor([t for s in self.samples for t in s.input_ids], dtype=torch.int32),
                    "loss_mask": torch.tensor([m for s in self.samples for m in s.loss_mask], dtype=torch.uint8),
                    "taps": torch.cat(self.taps).contiguous()}
+        if self.final_hidden is not None:
+            tensors[FINAL_HIDDEN] = torch.cat(self.final_hidden).contiguous()
         atomic.write_with(path, lambda tmp: save_file(tensors, str(tmp),
                                                       metadata={"ids": "\n".join(s.id for s in self.samples)}))
 
     @classmethod
     def load(cls, path) -> "TappedSamples":
-        from safetensors import safe_open
-
         with safe_open(str(path), "pt") as f:
             ids = f.metadata()["ids"].split("\n")
             lengths = f.get_tensor("lengths").tolist()
             input_ids, loss_mask, taps = (f.get_tensor(k) for k in ("input_ids", "loss_mask", "taps"))
-        samples, tap_list, start = [], [], 0
+            final = f.get_tensor(FINAL_HIDDEN) if FINAL_HIDDEN in f.keys() else None
+        samples, tap_list, final_list, start = [], [], [], 0
         for sid, n in zip(ids, lengths):
             samples.append(Sample(sid, tuple(input_ids[start:start + n].tolist()),
                                   tuple(loss_mask[start:start + n].tolist())))
             tap_list.append(taps[start:start + n])
+            if final is not None:
+                final_list.append(final[start:start + n])
             start += n
-        return cls(samples, tap_list)
+        return cls(samples, tap_list, final_list if final is not None else None)
 
 
 def has_recurrent_layers(config) -> bool:
@@ -66,20 +88,21 @@ def has_recurrent_layers(config) -> bool:
     return "linear_attention" in (getattr(text, "layer_types", None) or ())
 
 
-def _left_pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r)
-        mask[i, width - len(r):] = 1
-    return ids, mask
+def _position_tensors(hidden_states, layer_ids: list[int], final_hidden: bool) -> dict[str, torch.Tensor]:
+    """{"taps": [b, P, K*H], "final_hidden": [b, P, H]} of one forward's `hidden_states`; HF's
+    last entry is after the final norm (Llama, Qwen3, ...; tests/data/test_regen_taps.py)."""
+    out = {"taps": select_taps(hidden_states, layer_ids)}
+    if final_hidden:
+        out[FINAL_HIDDEN] = hidden_states[-1]
+    return out
 
 
 @torch.no_grad()
 def _generate_batch(target, prompts: list[list[int]], layer_ids: list[int], max_new_tokens: int,
-                    stop_ids: list[int], storage_dtype: torch.dtype) -> list[tuple[list[int], list[int], torch.Tensor]]:
-    """Greedy responses of one batch; per row (input_ids, loss_mask, taps [len, K*H]).
+                    stop_ids: list[int], storage_dtype: torch.dtype, final_hidden: bool = False
+                    ) -> list[tuple[list[int], list[int], dict[str, torch.Tensor]]]:
+    """Greedy responses of one batch; per row (input_ids, loss_mask, {"taps" [len, K*H],
+    "final_hidden" [len, H] when asked}).
 
     A row that has produced its end-of-turn token leaves the batch and the KV cache at once
     (`DynamicCache.batch_select_indices`): on a CPU the cost of a decode step grows with the rows
@@ -88,21 +111,18 @@ def _generate_batch(target, prompts: list[list[int]], layer_ids: list[int], max_
     transformers' batch selection does not cover their recurrent states, and their cache is the
     model's own (config-aware) one.
     """
-    from dflash_train.eval.spec_decode import _cache_kwarg, new_cache
-
     model = target.model
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop_ids[0]
-    ids, mask = _left_pad(prompts, pad)
-    ids, mask = ids.to(target.device), mask.to(target.device)
-    cache_arg, recurrent = _cache_kwarg(type(model)), has_recurrent_layers(model.config)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+    ids, mask = (t.to(target.device) for t in left_pad(prompts, pad))
+    cache_arg, recurrent = cache_kwarg(type(model)), has_recurrent_layers(model.config)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=mask_positions(mask),
                 use_cache=True, output_hidden_states=True, logits_to_keep=1,
-                **({} if recurrent else {cache_arg: new_cache()}))
+                **({} if recurrent else {cache_arg: new_cache()}))  # hybrid: the model's own cache
     cache = getattr(out, cache_arg)
     width = ids.shape[1]
-    prompt_taps = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)  # [b, P, K*H]
+    prompt_tensors = _position_tensors(out.hidden_states, layer_ids, final_hidden)  # name -> [b, P, width]
     responses = [[] for _ in prompts]
-    fed_taps = [[] for _ in prompts]  # hidden state of each response token once it is fed back
+    fed = [[] for _ in prompts]  # per row, {name: [width]} of each response token once it is fed back
     active = list(range(len(prompts)))
     next_tok = out.logits[:, -1].argmax(-1)  # [b]
     positions = mask.sum(-1)  # next position of each active row
@@ -127,51 +147,54 @@ def _generate_batch(target, prompts: list[list[int]], layer_ids: list[int], max_
         mask = torch.cat([mask, mask.new_ones(len(active), 1)], dim=1)
         out = model(input_ids=next_tok[:, None], attention_mask=mask, position_ids=positions[:, None],
                     use_cache=True, output_hidden_states=True, **{cache_arg: cache})
-        step_taps = torch.cat([out.hidden_states[i + 1] for i in layer_ids], dim=-1)[:, 0]  # [b', K*H]
+        step = _position_tensors(out.hidden_states, layer_ids, final_hidden)  # name -> [b', 1, width]
         for j, row in enumerate(active):
             if row not in finished:
-                fed_taps[row].append(step_taps[j].to(storage_dtype))
+                fed[row].append({name: t[j, 0].to(storage_dtype) for name, t in step.items()})
         next_tok, positions = out.logits[:, -1].argmax(-1), positions + 1
-    rows = []
-    for r, prompt in enumerate(prompts):
-        response = responses[r]
-        # taps: prompt positions, then response tokens 0..n-2 (token k's hidden state is computed when
-        # it is fed back); the last response token is never fed back, so its tap stays zero.
-        taps = torch.zeros(len(prompt) + len(response), prompt_taps.shape[-1], dtype=storage_dtype)
-        taps[:len(prompt)] = prompt_taps[r, width - len(prompt):].to(storage_dtype)
-        if fed_taps[r]:
-            taps[len(prompt):len(prompt) + len(fed_taps[r])] = torch.stack(fed_taps[r])
-        rows.append((prompt + response, [0] * len(prompt) + [1] * len(response), taps))
-    return rows
+    return [_row(prompt, responses[r], width, {n: t[r] for n, t in prompt_tensors.items()}, fed[r], storage_dtype)
+            for r, prompt in enumerate(prompts)]
+
+
+def _row(prompt: list[int], response: list[int], width: int, prompt_tensors: dict, fed: list[dict],
+         storage_dtype: torch.dtype) -> tuple[list[int], list[int], dict[str, torch.Tensor]]:
+    """One sample: prompt positions (left-padded in `prompt_tensors`: [width, D]), then response
+    tokens 0..n-2 (token k's hidden state is computed when it is fed back); the last response token
+    is never fed back, so its row stays zero."""
+    tensors = {}
+    for name, t in prompt_tensors.items():
+        out = torch.zeros(len(prompt) + len(response), t.shape[-1], dtype=storage_dtype)
+        out[:len(prompt)] = t[width - len(prompt):].to(storage_dtype)
+        if fed:
+            out[len(prompt):len(prompt) + len(fed)] = torch.stack([f[name] for f in fed])
+        tensors[name] = out
+    return prompt + response, [0] * len(prompt) + [1] * len(response), tensors
 
 
 def regenerate_with_taps(target, conversations, layer_ids: list[int], max_new_tokens: int, batch_size: int,
                          max_len: int, thinking: bool | None = None, min_loss_tokens: int = 2,
-                         storage_dtype: torch.dtype = torch.bfloat16, heartbeat=None) -> tuple[TappedSamples, dict]:
-    """Greedy target responses for every conversation's last user turn, with their taps."""
-    from dflash_train.data.conversations import render_chat
-    from dflash_train.data.regenerate import prompt_messages
-
+                         storage_dtype: torch.dtype = torch.bfloat16, heartbeat=None,
+                         final_hidden: bool = False) -> tuple[TappedSamples, dict]:
+    """Greedy target responses for every conversation's last user turn, with their taps (and the
+    final hidden states, for a distillation loss, when `final_hidden`)."""
     encoded = []
     for conv in conversations:
         text = render_chat(target.tokenizer, prompt_messages(conv.messages), add_generation_prompt=True,
                            thinking=thinking)
         encoded.append((conv.id, target.tokenizer(text, add_special_tokens=False)["input_ids"]))
     return regenerate_prompts_with_taps(target, encoded, layer_ids, max_new_tokens, batch_size, max_len,
-                                        min_loss_tokens, storage_dtype, heartbeat)
+                                        min_loss_tokens, storage_dtype, heartbeat, final_hidden)
 
 
 def regenerate_prompts_with_taps(target, encoded: list[tuple[str, list[int]]], layer_ids: list[int],
                                  max_new_tokens: int, batch_size: int, max_len: int, min_loss_tokens: int = 2,
-                                 storage_dtype: torch.dtype = torch.bfloat16,
-                                 heartbeat=None) -> tuple[TappedSamples, dict]:
-    """Greedy target continuations of token-id prompts `(id, ids)`, with their taps (the chat and the
-    plain-text formats share this)."""
-    from dflash_train.data.regenerate import end_of_turn_ids
-
+                                 storage_dtype: torch.dtype = torch.bfloat16, heartbeat=None,
+                                 final_hidden: bool = False) -> tuple[TappedSamples, dict]:
+    """Greedy target continuations of token-id prompts `(id, ids)`, with their taps (and final hidden
+    states when `final_hidden`); the chat and the plain-text formats share this."""
     stop_ids = end_of_turn_ids(target)
     encoded = sorted(encoded, key=lambda e: -len(e[1]))  # little padding per batch; an OOM shows at once
-    samples, taps, skipped, new_tokens = [], [], {"too_long": 0, "too_few_loss_tokens": 0}, 0
+    samples, kept, skipped, new_tokens = [], [], {"too_long": 0, "too_few_loss_tokens": 0}, 0
     start = time.perf_counter()
     bar = tqdm(total=len(encoded), unit="prompt", desc="regenerate+tap", dynamic_ncols=True)
     for b in range(0, len(encoded), batch_size):
@@ -179,15 +202,15 @@ def regenerate_prompts_with_taps(target, encoded: list[tuple[str, list[int]]], l
         skipped["too_long"] += len(encoded[b:b + batch_size]) - len(batch)
         with torch.no_grad():
             rows = _generate_batch(target, [e[1] for e in batch], layer_ids, max_new_tokens, stop_ids,
-                                   storage_dtype) if batch else []
-        for (cid, _), (ids, mask, row_taps) in zip(batch, rows):
+                                   storage_dtype, final_hidden) if batch else []
+        for (cid, _), (ids, mask, tensors) in zip(batch, rows):
             new_tokens += sum(mask)
-            ids, mask, row_taps = ids[:max_len], mask[:max_len], row_taps[:max_len]
+            ids, mask = ids[:max_len], mask[:max_len]
             if sum(mask) < min_loss_tokens:
                 skipped["too_few_loss_tokens"] += 1
                 continue
             samples.append(Sample(cid, tuple(ids), tuple(mask)))
-            taps.append(row_taps)
+            kept.append({name: t[:max_len] for name, t in tensors.items()})
         bar.update(len(encoded[b:b + batch_size]))
         bar.set_postfix(tok_s=f"{new_tokens / max(time.perf_counter() - start, 1e-9):.0f}")
         if heartbeat is not None:
@@ -195,4 +218,5 @@ def regenerate_prompts_with_taps(target, encoded: list[tuple[str, list[int]]], l
     bar.close()
     report = {"samples": len(samples), "new_tokens": new_tokens, "seconds": time.perf_counter() - start,
               "skipped": skipped}
-    return TappedSamples(samples, taps), report
+    finals = [row[FINAL_HIDDEN] for row in kept] if final_hidden else None
+    return TappedSamples(samples, [row["taps"] for row in kept], finals), report

@@ -9,7 +9,6 @@ from a crash is truncated away), so an interrupted run resumes with no duplicate
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import time
@@ -20,8 +19,9 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from dflash_train.config import DataConfig, TargetConfig
-from dflash_train.data.conversations import Conversation, read_conversations, render_chat
+from dflash_train.data.conversations import prompt_messages, render_chat
+from dflash_train.data.records import Conversation
+from dflash_train.model.decoding import left_pad
 
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>", "<|end|>", "</s>")
 
@@ -35,15 +35,6 @@ class RegenReport:
     truncated: int = 0
     """Rows that hit `max_new_tokens` before an end-of-turn token."""
     seconds: float = 0.0
-
-
-def prompt_messages(messages: list[dict]) -> list[dict]:
-    """Everything up to and including the last user turn (a final assistant turn is dropped)."""
-    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-    if not users:
-        raise ValueError("a conversation without a user turn has no prompt to answer")
-    last_user = users[-1]
-    return [dict(m) for m in messages[: last_user + 1]]
 
 
 def read_done_ids(out_path: Path) -> set[str]:
@@ -82,22 +73,12 @@ def end_of_turn_ids(target) -> list[int]:
     return sorted(int(i) for i in ids)
 
 
-def _left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):] = torch.tensor(r)
-        mask[i, width - len(r):] = 1
-    return ids.to(device), mask.to(device)  # (b, W) each
-
-
 @torch.no_grad()
 def _generate(target, prompts: list[list[int]], max_new_tokens: int, temperature: float,
               stop_ids: list[int], seed: int) -> list[tuple[list[int], bool]]:
     """Batched generation; returns per row (new tokens before the stop token, stopped?)."""
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop_ids[0]
-    ids, mask = _left_pad(prompts, pad_id, target.device)
+    ids, mask = (t.to(target.device) for t in left_pad(prompts, pad_id))
     sample = temperature > 0
     kwargs = dict(do_sample=sample, max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id)
     if sample:
@@ -172,51 +153,3 @@ def regenerate(target, conversations: list[Conversation], out_path: str | Path, 
     bar.close()
     report.seconds = time.perf_counter() - t0
     return report
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI: dflash-train regenerate
-
-
-def _on_off(text: str) -> bool:
-    if text not in ("on", "off"):
-        raise argparse.ArgumentTypeError("expected on or off")
-    return text == "on"
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    data = DataConfig()
-    p.add_argument("--target", default=TargetConfig().model, help="smollm2, an HF dir, a cached hub id, or a .gguf")
-    p.add_argument("--data", default=data.train, help="default, chitchat, JSONL, parquet or HF dataset dir")
-    p.add_argument("--out", required=True, help="output JSONL (appended to; resumes)")
-    p.add_argument("--max-new-tokens", type=int, default=data.regen_max_new_tokens)
-    p.add_argument("--batch-size", type=int, default=data.regen_batch_size)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--thinking", type=_on_off, default=None, help="on|off: chat-template thinking mode")
-    p.add_argument("--skip-bad-rows", action="store_true", help="count and skip malformed rows")
-    p.add_argument("--max-samples", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="auto")
-
-
-def command(args: argparse.Namespace) -> int:
-    """Run `dflash-train regenerate`; ends with a verdict line."""
-    try:
-        from dflash_train.data.text import check_data_format
-        from dflash_train.model.target import load_target
-
-        conversations, bad = read_conversations(args.data, args.skip_bad_rows, args.max_samples, args.seed)
-        print(f"regenerate: {len(conversations)} conversations from {args.data}; {bad.summary()}", flush=True)
-        target = load_target(args.target, dtype=args.dtype, device=args.device,
-                             check_tokenizer=lambda tok: check_data_format("chat", tok, args.target))
-        r = regenerate(target, conversations, args.out, args.max_new_tokens, args.batch_size,
-                       args.temperature, args.thinking, args.seed)
-    except Exception as e:  # the verdict line must name the cause, whatever it is
-        print(f"dflash-train regenerate: FAILED: {type(e).__name__}: {e}", flush=True)
-        return 1
-    rate = r.new_tokens / r.seconds if r.seconds else 0.0
-    print(f"dflash-train regenerate: OK {r.written} new + {r.already_done} already done = {r.total} rows in "
-          f"{args.out}; {r.new_tokens} tokens at {rate:.0f} tok/s, {r.truncated} hit max-new-tokens; "
-          f"{bad.total} bad rows skipped", flush=True)
-    return 0

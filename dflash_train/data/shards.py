@@ -6,15 +6,17 @@ Shard `shard-NNNNN.safetensors` holds, for the samples it covers, concatenated a
 - `taps` (T, K*H): bf16, or fp8 e4m3 (`torch.float8_e4m3fn`) with `taps_scale` fp32 (T,), one
   scale per token row: taps ~= taps_fp8.float() * taps_scale[:, None]. After scaling by
   amax/448 every element is within max(2^-4 |x|, 2^-10 * scale) of the original (3 mantissa bits
-  give relative error <= 2^-4 in the normal range; below 2^-6 the subnormal spacing 2^-9 rules).
+  give relative error <= 2^-4 in the normal range; below 2^-6 the subnormal spacing 2^-9 rules);
+- `final_hidden` (T, H), only when prepared for a distillation loss (loss.kind != ce): the
+  target's last hidden state after its final norm, stored like `taps` (with `final_hidden_scale`).
 `index.json` lists complete shards only (sample and token counts, sha256), with the dtype,
-layer_ids, target name and hidden size. Every shard and every index update is written to a temp
+layer_ids, target name, hidden size and `entries` (the per-token tensors every shard holds; an
+index without it holds "taps" only). Every shard and every index update is written to a temp
 file, fsync'd and renamed, so a killed prepare resumes after the last complete shard.
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import shutil
@@ -28,13 +30,14 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from dflash_train import atomic, cache
-from dflash_train.data.conversations import TokenizedSample
+from dflash_train.data.records import TokenizedSample
 
 SCHEMA_VERSION = 1
 INDEX_NAME = "index.json"
 LOCK_NAME = ".prepare.lock"  # held by the one prepare writing the directory
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 FORMATS = ("bf16", "fp8")
+ENTRIES = ("taps", "final_hidden")  # the per-token tensors a shard can hold, in this order
 
 
 # ---------------------------------------------------------------------------------------------
@@ -52,9 +55,11 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
     return (q.float() * scale.float()[:, None]).to(dtype)  # (T, D)
 
 
-def bytes_per_token(tap_width: int, fmt: str) -> int:
-    """Stored bytes per token: ids (4) + mask (1) + taps (2*D for bf16, D + 4 scale for fp8)."""
-    return 5 + (2 * tap_width if fmt == "bf16" else tap_width + 4)
+def bytes_per_token(tap_width: int, fmt: str, final_width: int = 0) -> int:
+    """Stored bytes per token: ids (4) + mask (1) + per stored entry of width D (taps, and the
+    final hidden state when `final_width`): 2*D for bf16, D + 4 (scale) for fp8."""
+    widths = [tap_width] + ([final_width] if final_width else [])
+    return 5 + sum(2 * d if fmt == "bf16" else d + 4 for d in widths)
 
 
 def _sha256(path: Path) -> str:
@@ -82,35 +87,35 @@ def _write_shard(path: Path, tensors: dict[str, torch.Tensor], sample_ids: list[
 
 @dataclass
 class _ShardBuffer:
-    """Samples and taps accumulated for the next shard (taps already in storage dtype)."""
+    """Samples and their per-token tensors ({name: [n, D]}) accumulated for the next shard, already
+    in the storage dtype (fp8 adds `{name}_scale`)."""
 
     fmt: str
 
     def __post_init__(self):
-        self.ids, self.masks, self.taps, self.scales, self.sample_ids = [], [], [], [], []
+        self.ids, self.masks, self.sample_ids = [], [], []
+        self.stored: dict[str, list[torch.Tensor]] = {}
 
     @property
     def tokens(self) -> int:
         return sum(len(m) for m in self.masks)
 
-    def add(self, sample: TokenizedSample, taps: torch.Tensor) -> None:
+    def add(self, sample: TokenizedSample, tensors: dict[str, torch.Tensor]) -> None:
         self.ids.append(torch.tensor(sample.input_ids, dtype=torch.int32))
         self.masks.append(torch.tensor(sample.loss_mask, dtype=torch.uint8))
         self.sample_ids.append(sample.id)
-        if self.fmt == "fp8":
-            q, scale = quantize_fp8(taps)
-            self.taps.append(q.cpu())
-            self.scales.append(scale.cpu())
-        else:
-            self.taps.append(taps.to(torch.bfloat16).cpu())
+        for name, t in tensors.items():
+            if self.fmt == "fp8":
+                q, scale = quantize_fp8(t)
+                self.stored.setdefault(name, []).append(q.cpu())
+                self.stored.setdefault(f"{name}_scale", []).append(scale.cpu())
+            else:
+                self.stored.setdefault(name, []).append(t.to(torch.bfloat16).cpu())
 
     def tensors(self) -> dict[str, torch.Tensor]:
         lengths = torch.tensor([0] + [len(m) for m in self.masks], dtype=torch.int64)
-        out = {"input_ids": torch.cat(self.ids), "loss_mask": torch.cat(self.masks),
-               "offsets": lengths.cumsum(0), "taps": torch.cat(self.taps)}
-        if self.fmt == "fp8":
-            out["taps_scale"] = torch.cat(self.scales)
-        return out
+        return {"input_ids": torch.cat(self.ids), "loss_mask": torch.cat(self.masks),
+                "offsets": lengths.cumsum(0), **{name: torch.cat(parts) for name, parts in self.stored.items()}}
 
 
 def samples_fingerprint(samples: list[TokenizedSample]) -> str:
@@ -127,6 +132,7 @@ def _open_index(out_dir: Path, meta: dict) -> dict:
     if not path.exists():
         return {**meta, "shards": [], "complete": False}
     index = json.loads(path.read_text())
+    index.setdefault("entries", ["taps"])  # written before entries were recorded
     changed = [k for k in meta if index.get(k) != meta[k]]
     if changed:
         raise ValueError(f"{path} was written with other settings ({', '.join(changed)} differ); "
@@ -163,16 +169,18 @@ def _batches(samples: list[TokenizedSample], batch_tokens: int):
         yield batch
 
 
-def _batch_taps(target, batch: list[TokenizedSample], layer_ids) -> list[torch.Tensor]:
-    """Taps of each sample (its own length) from one right-padded forward."""
+def _batch_tensors(target, batch: list[TokenizedSample], layer_ids, final_hidden: bool) -> list[dict]:
+    """{"taps" [n, K*H], "final_hidden" [n, H] when asked} of each sample (its own length) from one
+    right-padded forward."""
     width = max(len(s.input_ids) for s in batch)
     ids = torch.zeros((len(batch), width), dtype=torch.long)
     mask = torch.zeros((len(batch), width), dtype=torch.long)
     for i, s in enumerate(batch):
         ids[i, : len(s.input_ids)] = torch.tensor(s.input_ids)
         mask[i, : len(s.input_ids)] = 1
-    taps = target.taps(ids, mask, layer_ids)  # (b, W, K*H)
-    return [taps[i, : len(s.input_ids)] for i, s in enumerate(batch)]
+    out = target.taps(ids, mask, layer_ids, return_last_hidden=final_hidden)
+    per_name = dict(zip(ENTRIES, out)) if final_hidden else {"taps": out}  # name -> (b, W, D)
+    return [{name: t[i, : len(s.input_ids)] for name, t in per_name.items()} for i, s in enumerate(batch)]
 
 
 @dataclass
@@ -187,8 +195,9 @@ class PrepareReport:
 
 def prepare_shards(target, samples: list[TokenizedSample], out_dir: str | Path, layer_ids, fmt: str = "bf16",
                    shard_tokens: int = 65536, batch_tokens: int = 16384, target_name: str | None = None,
-                   on_shard: Callable[[int], None] | None = None) -> PrepareReport:
-    """Write `samples` with their taps as shards under `out_dir`; resumes a killed run (module doc).
+                   on_shard: Callable[[int], None] | None = None, final_hidden: bool = False) -> PrepareReport:
+    """Write `samples` with their taps (and, with `final_hidden`, the target's final hidden state,
+    for a distillation loss) as shards under `out_dir`; resumes a killed run (module doc).
 
     `on_shard(shard_number)` runs after each shard and its index entry are durably written.
     A second prepare into a directory still being written is refused (`cache.CacheBusy`), never
@@ -199,30 +208,32 @@ def prepare_shards(target, samples: list[TokenizedSample], out_dir: str | Path, 
     out_dir = Path(out_dir)
     with cache.exclusive(out_dir / LOCK_NAME, f"the shard directory {out_dir}", wait=False):
         return _prepare_locked(target, samples, out_dir, layer_ids, fmt, shard_tokens, batch_tokens, target_name,
-                               on_shard)
+                               on_shard, final_hidden)
 
 
 def _prepare_locked(target, samples: list[TokenizedSample], out_dir: Path, layer_ids, fmt: str, shard_tokens: int,
-                    batch_tokens: int, target_name: str | None, on_shard) -> PrepareReport:
+                    batch_tokens: int, target_name: str | None, on_shard, final_hidden: bool = False) -> PrepareReport:
     layer_ids = [int(i) for i in layer_ids]
     tap_width = len(layer_ids) * target.hidden_size
     meta = {"schema": SCHEMA_VERSION, "target": target_name or target.name, "layer_ids": layer_ids,
             "hidden_size": target.hidden_size, "tap_width": tap_width, "dtype": fmt,
-            "samples_fingerprint": samples_fingerprint(samples), "total_samples": len(samples)}
+            "samples_fingerprint": samples_fingerprint(samples), "total_samples": len(samples),
+            "entries": list(ENTRIES[:2 if final_hidden else 1])}
     index = _open_index(out_dir, meta)
     _remove_leftovers(out_dir, index)
     done = sum(s["samples"] for s in index["shards"])
     remaining = samples[done:]
-    bpt = bytes_per_token(tap_width, fmt)
+    bpt = bytes_per_token(tap_width, fmt, target.hidden_size if final_hidden else 0)
     todo_tokens = sum(len(s.input_ids) for s in remaining)
     print(f"prepare: storage estimate {bpt} bytes/token x {todo_tokens} tokens = {bpt * todo_tokens / 2**20:.1f} MiB "
-          f"({fmt}, taps {layer_ids} x hidden {target.hidden_size}); {done} samples already done", flush=True)
+          f"({fmt}, {'+'.join(meta['entries'])}: taps {layer_ids} x hidden {target.hidden_size}); {done} samples "
+          "already done", flush=True)
     check_disk_space(out_dir, int(bpt * todo_tokens * 1.02) + (1 << 20))
     buffer = _ShardBuffer(fmt)
     bar = tqdm(total=todo_tokens, unit="tok", unit_scale=True, desc="prepare", dynamic_ncols=True)
     for batch in _batches(remaining, batch_tokens):
-        for sample, taps in zip(batch, _batch_taps(target, batch, layer_ids)):
-            buffer.add(sample, taps)
+        for sample, tensors in zip(batch, _batch_tensors(target, batch, layer_ids, final_hidden)):
+            buffer.add(sample, tensors)
             if buffer.tokens >= shard_tokens:
                 _flush(out_dir, index, buffer, on_shard)
                 buffer = _ShardBuffer(fmt)
@@ -253,8 +264,8 @@ def _flush(out_dir: Path, index: dict, buffer: _ShardBuffer, on_shard) -> None:
 
 
 class ShardReader:
-    """Samples `{"id", "input_ids" int64 (n,), "loss_mask" uint8 (n,), "taps" (n, K*H) in `dtype`}`
-    from the complete shards of `index.json`.
+    """Samples `{"id", "input_ids" int64 (n,), "loss_mask" uint8 (n,), "taps" (n, K*H) in `dtype`,
+    "final_hidden" (n, H) when stored (`entries`)}` from the complete shards of `index.json`.
 
     Order: a permutation of all samples seeded by (seed, epoch), truncated to a multiple of `world`
     so every rank yields the same count, of which rank r takes positions r, r+world, ...
@@ -287,6 +298,11 @@ class ShardReader:
     @property
     def layer_ids(self) -> list[int]:
         return list(self.index["layer_ids"])
+
+    @property
+    def entries(self) -> list[str]:
+        """The per-token tensors stored for every sample ("taps", and "final_hidden" for distillation)."""
+        return list(self.index.get("entries", ["taps"]))
 
     def _sample_table(self) -> list[tuple[int, int, int, int]]:
         table = []
@@ -340,10 +356,13 @@ class ShardReader:
         if shard not in self._verified:
             self._verify(shard)
         f = self._handle(shard)
-        taps = f.get_slice("taps")[a:b]  # (n, K*H)
-        if taps.dtype == torch.float8_e4m3fn:
-            taps = dequantize_fp8(taps, f.get_slice("taps_scale")[a:b], self.dtype)
-        return {**self.tokens(i), "taps": taps.to(self.dtype)}
+        out = self.tokens(i)
+        for name in self.entries:
+            t = f.get_slice(name)[a:b]  # (n, D)
+            if t.dtype == torch.float8_e4m3fn:
+                t = dequantize_fp8(t, f.get_slice(f"{name}_scale")[a:b], self.dtype)
+            out[name] = t.to(self.dtype)
+        return out
 
     def __iter__(self):
         order = self._order(self.epoch)
@@ -363,66 +382,3 @@ class ShardReader:
                 raise ValueError(f"reader state has {key}={state[key]}, this reader {self.state_dict()[key]}: "
                                  "an exact resume needs the same shards, seed and world size")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
-
-
-# ---------------------------------------------------------------------------------------------
-# CLI: dflash-train prepare
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    from dflash_train.config import DataConfig, DrafterConfigSpec, TargetConfig
-
-    data = DataConfig()
-    p.add_argument("--target", default=TargetConfig().model, help="smollm2, an HF dir, a cached hub id, or a .gguf")
-    p.add_argument("--data", required=True, help="JSONL / parquet / HF dataset dir with assistant turns "
-                   "(e.g. the output of dflash-train regenerate)")
-    p.add_argument("--out", required=True, help="shard directory (resumes an interrupted prepare)")
-    p.add_argument("--format", choices=FORMATS, default="bf16", help="taps storage: bf16, or fp8 e4m3 + row scale")
-    p.add_argument("--layer-ids", default=None, help="comma-separated tap ids (z-lab semantics); default z-lab ids")
-    p.add_argument("--num-taps", type=int, default=DrafterConfigSpec().num_taps)
-    p.add_argument("--max-len", type=int, default=data.max_len)
-    p.add_argument("--min-loss-tokens", type=int, default=data.min_loss_tokens)
-    p.add_argument("--thinking", choices=("on", "off"), default=None)
-    p.add_argument("--skip-bad-rows", action="store_true")
-    p.add_argument("--max-samples", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--shard-mb", type=float, default=512.0, help="approximate shard size in MiB")
-    p.add_argument("--batch-tokens", type=int, default=16384, help="padded tokens per target forward")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", default="auto")
-
-
-def command(args: argparse.Namespace) -> int:
-    """Run `dflash-train prepare`; ends with a verdict line."""
-    try:
-        report, out = _prepare_from_args(args)
-    except Exception as e:  # the verdict line must name the cause, whatever it is
-        print(f"dflash-train prepare: FAILED: {type(e).__name__}: {e}", flush=True)
-        return 1
-    print(f"dflash-train prepare: OK {report.samples} samples, {report.tokens} tokens in {report.shards} shards "
-          f"({report.bytes / 2**20:.1f} MiB) at {out}; {report.resumed_after} were already done", flush=True)
-    return 0
-
-
-def _prepare_from_args(args: argparse.Namespace) -> tuple[PrepareReport, str]:
-    from dflash_train.data.conversations import read_conversations, tokenize_conversations
-    from dflash_train.data.text import check_data_format
-    from dflash_train.model.target import build_target_layer_ids, load_target
-
-    thinking = None if args.thinking is None else args.thinking == "on"
-    conversations, bad = read_conversations(args.data, args.skip_bad_rows, args.max_samples, args.seed)
-    target = load_target(args.target, dtype=args.dtype, device=args.device,
-                         check_tokenizer=lambda tok: check_data_format("chat", tok, args.target))
-    samples, bad = tokenize_conversations(target.tokenizer, conversations, args.max_len, args.min_loss_tokens,
-                                          thinking, bad)
-    print(f"prepare: {len(samples)} samples from {len(conversations)} conversations; {bad.summary()}", flush=True)
-    if not samples:
-        raise ValueError(f"no sample has {args.min_loss_tokens}+ supervised tokens ({bad.summary()}); "
-                         "prompt-only data (such as 'default') needs `dflash-train regenerate` first")
-    layer_ids = ([int(x) for x in args.layer_ids.split(",")] if args.layer_ids
-                 else build_target_layer_ids(target.num_layers, args.num_taps))
-    tap_width = len(layer_ids) * target.hidden_size
-    shard_tokens = max(1, int(args.shard_mb * 2**20) // bytes_per_token(tap_width, args.format))
-    report = prepare_shards(target, samples, args.out, layer_ids, args.format, shard_tokens,
-                            args.batch_tokens, target_name=args.target)
-    return report, args.out

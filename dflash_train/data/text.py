@@ -19,8 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_train.config import DataConfig
-from dflash_train.data.conversations import (BadRows, Conversation, DataError, TokenizedSample, _hf_dataset_rows,
-                                             _jsonl_rows, _parquet_rows, _type_name, parse_row, read_conversations)
+from dflash_train.data.conversations import _hf_dataset_rows, _jsonl_rows, _parquet_rows, read_conversations
+from dflash_train.data.records import Conversation, TokenizedSample
+from dflash_train.data.regen_taps import regenerate_prompts_with_taps
+from dflash_train.data.regenerate import _generate, end_of_turn_ids
+from dflash_train.data.rows import BadRows, DataError, _type_name, parse_row
 
 FORMATS = ("chat", "text")
 
@@ -137,8 +140,6 @@ def encode_documents(tokenizer, docs: list[Document], cfg: DataConfig,
 def _greedy_continuations(target, prompts: list[list[int]], cfg: DataConfig, seed: int, log,
                           heartbeat=None) -> list[list[int]]:
     """The target's greedy continuation of each prompt (up to its end-of-text token), in input order."""
-    from dflash_train.data.regenerate import _generate, end_of_turn_ids
-
     stop_ids = end_of_turn_ids(target)
     order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))  # little padding per batch
     out: list[list[int]] = [[] for _ in prompts]
@@ -176,14 +177,13 @@ def continuation_samples(cfg: DataConfig, target, seed: int, log=print, heartbea
     return samples
 
 
-def continuations_with_taps(cfg: DataConfig, target, layer_ids: list[int], seed: int, log=print, heartbeat=None):
+def continuations_with_taps(cfg: DataConfig, target, layer_ids: list[int], seed: int, log=print, heartbeat=None,
+                            final_hidden: bool = False):
     """Regenerate + tap in one pass for the text format: `(TappedSamples, report)` as
-    `regen_taps.regenerate_with_taps` gives for conversations."""
-    from dflash_train.data.regen_taps import regenerate_prompts_with_taps
-
+    `regen_taps.regenerate_with_taps` gives for conversations (`final_hidden`: the same too)."""
     docs, bad = read_documents(cfg.train, cfg.skip_bad_rows, cfg.max_samples, seed)
     split = encode_documents(target.tokenizer, docs, cfg, bad)
     log(f"data: {len(docs)} text documents from {cfg.train}, {len(split)} with a prompt; {bad.summary()}")
     return regenerate_prompts_with_taps(target, [(doc_id, prompt) for doc_id, prompt, _ in split], layer_ids,
                                         cfg.regen_max_new_tokens, cfg.regen_batch_size, cfg.max_len,
-                                        cfg.min_loss_tokens, heartbeat=heartbeat)
+                                        cfg.min_loss_tokens, heartbeat=heartbeat, final_hidden=final_hidden)

@@ -22,6 +22,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+import torch.fx._symbolic_trace as fx_trace
+
 EAGER_FLEX_WARNING_ID = "flex_attention_performance"
 _RECOMPILE_LIMIT_MARKERS = ("recompile limit", "recompile_limit", "cache_size_limit")
 
@@ -40,7 +43,7 @@ class CompileHealthError(RuntimeError):
 def _flex_module():
     """`torch.nn.attention.flex_attention`, or None on a torch without it."""
     try:
-        import torch.nn.attention.flex_attention as fa
+        import torch.nn.attention.flex_attention as fa  # local and guarded: absent means unsupported
     except ImportError:
         return None
     return fa
@@ -75,14 +78,12 @@ def track_eager_flex_calls() -> bool:
 
 def fx_tracing_flag() -> bool:
     """The FX-tracing flag as the calling thread sees it (what Dynamo's wrapper checks)."""
-    import torch.fx._symbolic_trace as st
-
-    getter = getattr(st, "_get_is_fx_tracing", None)  # 2.14+: thread-local
+    getter = getattr(fx_trace, "_get_is_fx_tracing", None)  # 2.14+: thread-local
     if getter is not None:
         return bool(getter())
-    if hasattr(st, "_is_fx_tracing_flag"):  # <= 2.13: module global
-        return bool(st._is_fx_tracing_flag)
-    return bool(getattr(st, "is_fx_tracing", lambda: False)())
+    if hasattr(fx_trace, "_is_fx_tracing_flag"):  # <= 2.13: module global
+        return bool(fx_trace._is_fx_tracing_flag)
+    return bool(getattr(fx_trace, "is_fx_tracing", lambda: False)())
 
 
 def fx_tracing_flag_scope() -> str:
@@ -91,9 +92,7 @@ def fx_tracing_flag_scope() -> str:
     Decided by introspection (the TLS object or its getter), not the version string, so a backport
     or a nightly is judged by what it does.
     """
-    import torch.fx._symbolic_trace as st
-
-    if hasattr(st, "_is_fx_tracing_tls") or hasattr(st, "_get_is_fx_tracing"):
+    if hasattr(fx_trace, "_is_fx_tracing_tls") or hasattr(fx_trace, "_get_is_fx_tracing"):
         return "per-thread"
     return "process-wide"
 
@@ -101,7 +100,7 @@ def fx_tracing_flag_scope() -> str:
 def _counter(group: str, key: str | None = None) -> int:
     """One counter, 0 when absent; `key=None` sums the group. Never creates keys (defaultdict)."""
     try:
-        from torch._dynamo.utils import counters
+        from torch._dynamo.utils import counters  # local: torch loads _dynamo lazily (slow)
     except ImportError:
         return 0
     values = counters.get(group) or {}
@@ -112,7 +111,7 @@ def _counter(group: str, key: str | None = None) -> int:
 
 def _recompile_limit_hits() -> int:
     """Graph-break records whose message names the recompile limit (then Dynamo runs eager)."""
-    from torch._dynamo.utils import counters
+    from torch._dynamo.utils import counters  # local: torch loads _dynamo lazily (slow)
 
     hits = 0
     for group in ("unimplemented", "graph_break", "recompile_limit"):
@@ -143,8 +142,6 @@ class CompileCounters:
     @classmethod
     def snapshot(cls) -> "CompileCounters":
         """Read the counters now (cheap: dictionary reads, no sync, no side effects)."""
-        import torch
-
         fa = _flex_module()
         shown = getattr(fa, "_WARNINGS_SHOWN", None) or set()
         is_compiling = getattr(torch.compiler, "is_compiling", lambda: False)
@@ -281,8 +278,6 @@ def freeze_compilation() -> bool:
     `torch.compiler.set_stance("fail_on_recompile")` is process-global. Returns False (and changes
     nothing) on a torch without it. Undo with `torch.compiler.set_stance("default")`.
     """
-    import torch
-
     set_stance = getattr(torch.compiler, "set_stance", None)
     if set_stance is None:
         return False

@@ -16,7 +16,6 @@ such as `devices` or `compile[cpu]`; `compile` matches every device) or `run_doc
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -326,40 +325,3 @@ def run_doctor(opts: DoctorOptions, inject: dict[str, str] | None = None, out: T
     if inject is None:
         inject = parse_inject(os.environ.get(INJECT_ENV))
     return Doctor(opts, inject, out).run()
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The `dflash-train doctor` options."""
-    parser.add_argument("--devices", choices=("cpu", "cuda", "all"), default="all",
-                        help="devices to compile and time attention on (default: all: the CPU and every GPU)")
-    parser.add_argument("--target", default=None, help="also load this target and time a tapped forward")
-    parser.add_argument("--json", dest="json_path", default=None, help="write the records to this JSON file")
-    parser.add_argument("--stage-timeout", type=float, default=300.0,
-                        help="seconds a stage may take before its stacks are dumped and it is killed")
-    parser.add_argument("--quick", action="store_true", help="small shapes, few iterations (CI, tests)")
-    parser.add_argument("--disk-dir", default=None, help="where shards would go, for the free-disk check (cwd)")
-    parser.add_argument("--stages", default=",".join(STAGE_KINDS),
-                        help=f"comma-separated subset of {','.join(STAGE_KINDS)}")
-
-
-def command(args: argparse.Namespace) -> int:
-    """Entry point of `dflash-train doctor`."""
-    stages = tuple(s.strip() for s in args.stages.split(",") if s.strip())
-    unknown = sorted(set(stages) - set(STAGE_KINDS))
-    if unknown:
-        print(f"dflash-train doctor: FAILED: unknown stage(s) {unknown}; expected {list(STAGE_KINDS)}", flush=True)
-        return 2
-    opts = DoctorOptions(devices=args.devices, target=args.target, json_path=args.json_path,
-                         stage_timeout=args.stage_timeout, quick=args.quick, disk_dir=args.disk_dir, stages=stages)
-    return run_doctor(opts)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m dflash_train.diagnostics.doctor` (same as `dflash-train doctor`)."""
-    parser = argparse.ArgumentParser(prog="dflash-train doctor", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return command(parser.parse_args(argv))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -37,6 +37,7 @@ def run_pair(backend: str, nbytes: int, iters: int, port: int) -> dict:
 def p2p_rank(rank: int, world: int, port: int, backend: str, nbytes: int, iters: int) -> dict:
     """One rank: rank 0 sends `iters` times, rank 1 receives; returns the figures (rank 0's are used)."""
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # the doctor may ask
+    # local, after the handler: a hung torch/NCCL import in this child can then be dumped
     import torch
     import torch.distributed as dist
 
@@ -57,7 +58,7 @@ def p2p_rank(rank: int, world: int, port: int, backend: str, nbytes: int, iters:
 
 def _timed_sends(dist, buf, rank: int, iters: int, device) -> float:
     """ms per send, after one untimed send that sets up the connection."""
-    import torch
+    import torch  # local: see p2p_rank
 
     def once() -> None:
         if rank == 0:

@@ -56,9 +56,9 @@ def _nvidia_driver() -> str | None:
 
 def stage_versions(params: dict) -> dict:
     """Versions of the stack, and where this torch keeps the FX-tracing flag."""
-    import torch
+    import torch  # local: a broken torch is then this stage's FAIL (module doc)
 
-    from dflash_train.diagnostics.compile_health import fx_tracing_flag_scope
+    from dflash_train.diagnostics.compile_health import fx_tracing_flag_scope  # imports torch
 
     triton = _version("triton", "pytorch-triton")
     transformers = _version("transformers")
@@ -89,7 +89,7 @@ def _host_ram() -> tuple[float, float]:
 
 def stage_devices(params: dict) -> dict:
     """GPUs with free memory (mem_get_info), host RAM and CPU count."""
-    import torch
+    import torch  # local: a broken torch is then this stage's FAIL (module doc)
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     gpus, busy = [], []
@@ -128,7 +128,7 @@ def stage_disk(params: dict) -> dict:
 
 def stage_compile(params: dict) -> dict:
     """Compile the training attention fwd(+bwd) on one device, then the train-time health check."""
-    from dflash_train.diagnostics.attention_check import compile_check
+    from dflash_train.diagnostics.attention_check import compile_check  # local: imports torch
 
     device, quick = params["device"], bool(params.get("quick"))
     compiled_mask = not (quick and device == "cpu")  # CPU trains with sdpa; --quick skips the slow builder
@@ -155,7 +155,7 @@ def stage_compile(params: dict) -> dict:
 
 def stage_speed(params: dict) -> dict:
     """Compiled vs eager flex, fwd(+bwd): on an H200 eager is ~20x slower, so ~1x means no compile."""
-    from dflash_train.diagnostics.attention_check import speed_check
+    from dflash_train.diagnostics.attention_check import speed_check  # local: imports torch
 
     device, quick = params["device"], bool(params.get("quick"))
     r = speed_check(device, quick)
@@ -186,7 +186,7 @@ def _free_port() -> int:
 
 def stage_p2p(params: dict) -> dict:
     """send/recv of one taps-sized tensor between two processes: gloo on CPU, NCCL on two GPUs."""
-    from dflash_train.diagnostics.p2p import run_pair, taps_bytes
+    from dflash_train.diagnostics.p2p import run_pair, taps_bytes  # local: imports torch
 
     backend, quick = params["backend"], bool(params.get("quick"))
     nbytes, what = taps_bytes(backend, quick)
@@ -202,13 +202,8 @@ def stage_p2p(params: dict) -> dict:
 
 def stage_target(params: dict) -> dict:
     """Load the target and time a tapped forward (the online taps producer's work)."""
-    from dflash_train.diagnostics.target_check import target_throughput
-
-    try:
-        from dflash_train.model.target import load_target  # written by the model engineer
-    except ImportError as e:
-        return result("FAIL", f"cannot import dflash_train.model.target.load_target: {e}",
-                      "this dflash-train has no target loader yet; update the package")
+    from dflash_train.diagnostics.target_check import target_throughput  # local: imports torch
+    from dflash_train.model.target import load_target  # local: imports torch
     r = target_throughput(load_target, params["target"], params["device"], bool(params.get("quick")))
     figure = (f"{params['target']} on {params['device']}: {r['tokens_per_s']:,.0f} tokens/s tapped forward "
               f"({r['batch']}x{r['seq']} tokens, taps {r['layer_ids']}), {r['layers']} layers, hidden "

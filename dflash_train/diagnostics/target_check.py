@@ -5,24 +5,24 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import torch
+
+from dflash_train.model.taps import build_target_layer_ids
+
 # (batch, sequence) per tapped forward: a quick smoke size, a CPU size, a training-like GPU size.
 BATCHES = {"quick": (2, 128), "cpu": (4, 512), "cuda": (8, 3072)}
 
 
 def _layer_ids(num_layers: int) -> list[int]:
-    """The z-lab default taps when the helper exists; else one middle layer."""
+    """The z-lab default taps; one middle layer for a target too shallow for them."""
     try:
-        from dflash_train.model.target import build_target_layer_ids
-
         return build_target_layer_ids(num_layers, min(5, max(1, num_layers - 3)))
-    except (ImportError, ValueError):
+    except ValueError:
         return [num_layers // 2]
 
 
 def target_throughput(load_target: Callable, model: str, device_name: str, quick: bool) -> dict:
     """tokens/s of `target.taps` on random ids, after one untimed warm-up forward."""
-    import torch
-
     device = torch.device(device_name)
     t0 = time.perf_counter()
     target = load_target(model, device=device)

@@ -20,7 +20,9 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
 
+from dflash_train.data.conversations import prompt_messages, render_chat
 from dflash_train.eval import report as rep
 from dflash_train.eval.spec_decode import GenResult, SpecResult, speculative_generate, target_generate
 from dflash_train.model.drafter import DFlashDrafter
@@ -53,19 +55,9 @@ def eos_token_ids(tokenizer, model) -> set[int]:
     return ids
 
 
-def prompt_messages(messages: list[dict]) -> list[dict]:
-    """The conversation up to and including its last user turn."""
-    last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
-    if last_user is None:
-        raise ValueError("a prompt needs at least one user message")
-    return messages[: last_user + 1]
-
-
 def encode_prompts(tokenizer, prompts: list[list[dict]], thinking: bool | None,
                    device: torch.device) -> list[torch.Tensor]:
     """Chat-template token ids [1, P] of each prompt, ready for generation."""
-    from dflash_train.data.conversations import render_chat
-
     encoded = []
     for messages in prompts:
         text = render_chat(tokenizer, prompt_messages(messages), add_generation_prompt=True, thinking=thinking)
@@ -93,8 +85,6 @@ def _decode_both(drafter, target, ids: torch.Tensor, opts: dict, seed: int) -> t
 def _run_sets(drafter, target, encoded: dict[str, list[torch.Tensor]], opts: dict, seed: int,
               progress: bool) -> dict[str, tuple[list[SpecResult], list[GenResult]]]:
     """Decode every prompt of every set, with a progress bar showing both decoders' tokens/s."""
-    from tqdm.auto import tqdm
-
     results: dict[str, tuple[list[SpecResult], list[GenResult]]] = {}
     total = sum(len(v) for v in encoded.values())
     spec_tok = spec_s = plain_tok = plain_s = 0.0

@@ -72,7 +72,7 @@ def write_json(report: dict, out_dir: Path) -> Path:
 
 def plot(sets: dict[str, dict], out_dir: Path) -> list[Path]:
     """Per-position acceptance (lines) and accepted-length distribution (bars), sets overlaid."""
-    import matplotlib
+    import matplotlib  # local: a heavy import (~1 s) that only the plots need
 
     matplotlib.use("Agg")  # headless: never needs a display
     import matplotlib.pyplot as plt

@@ -5,7 +5,8 @@ Conventions:
 - Batch size 1. `prompt_ids` is [1, P]; the target's `DynamicCache` holds positions [0, start) and
   the drafter's `ContextCache` holds the taps of the same positions, so `start` is both caches'
   length and the position of the anchor (the last emitted, not yet verified token).
-- Taps use z-lab semantics: id i is HF `hidden_states[i + 1]`, concatenated over `layer_ids`.
+- Taps use z-lab semantics (`model/taps.py`): id i is HF `hidden_states[i + 1]`, concatenated
+  over `layer_ids`.
 - One step: draft block `[anchor, MASK x (B-1)]` at positions [start, start+B), embedded with the
   target's embedding; the drafter proposes slots 1..B-1; the target reads the B tokens in one
   forward; `acc` = number of accepted draft tokens (0..B-1); the step emits acc + 1 tokens (the
@@ -25,8 +26,6 @@ Conventions:
 
 from __future__ import annotations
 
-import functools
-import inspect
 import time
 from dataclasses import dataclass
 from typing import Iterable
@@ -34,7 +33,9 @@ from typing import Iterable
 import torch
 from transformers import DynamicCache
 
+from dflash_train.model.decoding import cache_kwarg, new_cache
 from dflash_train.model.drafter import ContextCache, DFlashDrafter
+from dflash_train.model.taps import select_taps
 
 
 @dataclass
@@ -104,23 +105,6 @@ def _done(tokens: list[int], new: int, max_new_tokens: int, eos: set[int]) -> bo
     return len(tokens) >= max_new_tokens or any(t in eos for t in tokens[len(tokens) - new:])
 
 
-def taps_of(hidden_states: tuple[torch.Tensor, ...], layer_ids: Iterable[int]) -> torch.Tensor:
-    """Concatenate HF hidden_states[i + 1] over z-lab tap ids: [1, n, K*H]."""
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
-
-
-@functools.lru_cache(maxsize=None)
-def _cache_kwarg(model_cls: type) -> str:
-    """Name of the KV-cache argument: `cache` in newer transformers, `past_key_values` before."""
-    return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
-
-
-def new_cache() -> DynamicCache:
-    """A config-less DynamicCache: every layer a plain full layer, so `crop` works for any target
-    (sliding-window layers are still masked by the model; only memory is not trimmed)."""
-    return DynamicCache()
-
-
 def crop_cache(cache: DynamicCache, keep: int) -> None:
     """Keep the first `keep` positions. A negative argument means "remove that many" both in
     transformers <= 5.17 (where a positive one is the new length) and later (where it is refused)."""
@@ -132,7 +116,7 @@ def crop_cache(cache: DynamicCache, keep: int) -> None:
 @torch.no_grad()
 def _target_forward(model, ids: torch.Tensor, cache: DynamicCache, hidden: bool, logits_to_keep: int = 0):
     """Target forward of ids [1, n] after the cached positions; returns (logits [1, n', V], hidden states)."""
-    kwargs = {_cache_kwarg(type(model)): cache}
+    kwargs = {cache_kwarg(type(model)): cache}
     out = model(input_ids=ids, use_cache=True, output_hidden_states=hidden, logits_to_keep=logits_to_keep,
                 **kwargs)
     return out.logits, out.hidden_states
@@ -211,7 +195,7 @@ def _spec_step(target_model, drafter: DFlashDrafter, cache: DynamicCache, ctx: C
     else:
         acc, nxt = accept_sampled(draft, q, _probs(t_logits[0], temperature), generator)
     crop_cache(cache, start + acc + 1)  # keep the anchor and the accepted drafts
-    _append_taps(ctx, drafter, taps_of(hidden, layer_ids)[:, : acc + 1])
+    _append_taps(ctx, drafter, select_taps(hidden, layer_ids)[:, : acc + 1])
     return acc, draft[:acc].tolist() + [nxt]
 
 
@@ -234,7 +218,7 @@ def speculative_generate(target_model, drafter: DFlashDrafter, embed_weight: tor
     if max_new_tokens > 0:
         cache, ctx = new_cache(), ContextCache()
         logits, hidden = _target_forward(target_model, prompt_ids, cache, hidden=True, logits_to_keep=1)
-        _append_taps(ctx, drafter, taps_of(hidden, layer_ids))
+        _append_taps(ctx, drafter, select_taps(hidden, layer_ids))
         tokens.append(int(_pick(logits[0, -1:], temperature, generator)))
         new = 1
         while not _done(tokens, new, max_new_tokens, eos):

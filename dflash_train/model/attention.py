@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 FULL = "full_attention"
 SLIDING = "sliding_attention"
@@ -51,6 +52,34 @@ class MaskSpec:
     @property
     def kv_len(self) -> int:
         return self.context_len + self.q_len
+
+
+class PersistentMasks:
+    """Masks at fixed addresses, for CUDA graphs (bench/drafter_step.py --compile-mode
+    reduce-overhead): a graph replays fixed addresses, and both the BlockMask's tile tensors and
+    the tensors its mask_mod captures (each query's key intervals) are taken as static inputs, so
+    new tensors each step force a re-recording (0.175 s/step, PERF.md 3.2). Passed to
+    `build_training_masks`, it copies each step's values into the tensors of the first step of the
+    same shape and returns those instead (an experiment: the trainer has no CUDA-graph mode)."""
+
+    TILE_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                    "q_indices", "full_q_num_blocks", "full_q_indices")
+
+    def __init__(self):
+        self.kept: dict = {}
+
+    def intervals(self, fresh: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        buffers = self.kept.setdefault(tuple(t.shape for t in fresh), tuple(torch.empty_like(t) for t in fresh))
+        for buffer, t in zip(buffers, fresh):
+            buffer.copy_(t)
+        return buffers
+
+    def block_mask(self, fresh):
+        first = self.kept.setdefault(("mask", fresh.shape), fresh)
+        for name in self.TILE_TENSORS:
+            if first is not fresh and getattr(fresh, name, None) is not None:
+                getattr(first, name).copy_(getattr(fresh, name))
+        return first
 
 
 def mask_rule(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, b, q, kv) -> torch.Tensor:
@@ -87,13 +116,11 @@ def dense_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor) -> tor
 
 @functools.lru_cache(maxsize=None)
 def _compiled_create_block_mask():
-    from torch.nn.attention.flex_attention import create_block_mask
-
     return torch.compile(create_block_mask)
 
 
 def flex_block_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, compiled: bool = True,
-                    analytic: bool = True):
+                    analytic: bool = True, persistent: PersistentMasks | None = None):
     """flex_attention BlockMask for the rules above, head-independent (H=None).
 
     Full-attention masks are built by `analytic_block_mask` (exact tile classes from the anchors,
@@ -102,9 +129,7 @@ def flex_block_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, c
     24K x 28K, speculators #731) but costs ~2.5 min of cold compile on an H200.
     """
     if analytic and spec.sliding_window is None:
-        return analytic_block_mask(spec, anchors, keep)
-    from torch.nn.attention.flex_attention import create_block_mask
-
+        return analytic_block_mask(spec, anchors, keep, persistent=persistent)
     def mask_mod(b, h, q, kv):
         return mask_rule(spec, anchors, keep, b, q, kv)
 
@@ -141,7 +166,8 @@ def _visible_per_tile(spec: MaskSpec, ctx_end: torch.Tensor, own: torch.Tensor, 
     return count.view(count.shape[0], q_tiles, tile, kv_tiles).sum(2)  # [b, Q tiles, T]
 
 
-def analytic_block_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, tile: int = 128):
+def analytic_block_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, tile: int = 128,
+                        persistent: PersistentMasks | None = None):
     """The full-attention BlockMask straight from the anchors: a tile is full when every (query,
     key) pair in it is visible, partial when some are (mask_mod decides per element), skipped
     otherwise. Same tiles as `create_block_mask` (tests), with no compile and no dense grid.
@@ -149,11 +175,11 @@ def analytic_block_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tenso
     Its mask_mod tests the two key intervals of `_query_intervals` (two gathers, four compares)
     instead of `mask_rule`: equal on every element (tests), 3 % faster fwd+bwd in the triton
     kernel, and free of the ops (clamp) that flex's CuteDSL backend cannot lower."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     if spec.sliding_window is not None:
         raise ValueError("analytic_block_mask covers full attention; sliding windows use create_block_mask")
     ctx_end, own = _query_intervals(spec, anchors, keep, -(-spec.q_len // tile) * tile)
+    if persistent is not None:
+        ctx_end, own = persistent.intervals((ctx_end, own))
     count = _visible_per_tile(spec, ctx_end, own, tile)  # [b, Qt, T]
     full = count == tile * tile
     partial = (count > 0) & ~full
@@ -170,12 +196,14 @@ def analytic_block_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tenso
 
     kv_num, kv_idx = listed(partial)
     full_num, full_idx = listed(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mask_mod,
+    mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mask_mod,
                                     seq_lengths=(spec.q_len, spec.kv_len))
+    return persistent.block_mask(mask) if persistent is not None else mask
 
 
 def build_training_masks(spec: MaskSpec, layer_types: tuple[str, ...], anchors: torch.Tensor,
-                         keep: torch.Tensor, backend: str, compiled_builder: bool = True) -> dict:
+                         keep: torch.Tensor, backend: str, compiled_builder: bool = True,
+                         persistent: PersistentMasks | None = None) -> dict:
     """One mask per layer type in use: {"full_attention": m, "sliding_attention": m}."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r}: expected one of {BACKENDS}")
@@ -184,7 +212,7 @@ def build_training_masks(spec: MaskSpec, layer_types: tuple[str, ...], anchors: 
         window = spec.sliding_window if layer_type == SLIDING else None
         typed = MaskSpec(spec.context_len, spec.block_size, spec.num_anchors, window)
         if backend == "flex":
-            masks[layer_type] = flex_block_mask(typed, anchors, keep, compiled=compiled_builder)
+            masks[layer_type] = flex_block_mask(typed, anchors, keep, compiled=compiled_builder, persistent=persistent)
         else:
             masks[layer_type] = dense_mask(typed, anchors, keep)
     return masks
@@ -213,8 +241,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, backend: str
     mask: a BlockMask (flex), a boolean [b|1, 1, Lq, Lk] (sdpa, dense), or None (no mask).
     """
     if backend == "flex":
-        from torch.nn.attention.flex_attention import flex_attention
-
         # K/V repeated to the query heads instead of enable_gqa: flex's GQA backward walks the
         # group's query heads inside each dK/dV program; repeated, fwd+bwd at the paper's shapes
         # (32/8 heads) took 3.10 instead of 3.43 ms per layer (bench/flex_tune.py --expanded-kv)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from dflash_train.model.attention import FULL, SLIDING
-from dflash_train.model.target import build_target_layer_ids
+from dflash_train.model.taps import build_target_layer_ids
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,7 +76,11 @@ class DrafterConfig:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
 
     def check_target(self, target_hidden_size: int, target_num_layers: int, target_vocab_size: int) -> None:
-        """The drafter must match the target it drafts for: width, depth and embedding rows."""
+        """The drafter must match the target it drafts for: width, depth, embedding rows, and taps
+        the engines capture the same way (never the last layer)."""
+        last_tap = last_layer_tap_problem(self.target_layer_ids, target_num_layers)
+        if last_tap:
+            raise ValueError(last_tap)
         if self.hidden_size != target_hidden_size:
             raise ValueError(f"hidden_size {self.hidden_size} differs from the target's {target_hidden_size}: "
                              "the drafter shares the target's embedding and lm_head, so widths must match")
@@ -86,14 +90,30 @@ class DrafterConfig:
             raise ValueError(f"vocab_size {self.vocab_size} differs from the target embedding rows {target_vocab_size}")
 
 
+def last_layer_tap_problem(target_layer_ids, num_target_layers: int) -> str | None:
+    """Why a tap of the target's last decoder layer cannot be served, or None when there is none.
+
+    The three runtimes disagree on that one tensor: our trainer takes HF `hidden_states[L]`, which
+    is after the target's final norm; vLLM captures the layer's output before the norm; SGLang
+    never captures it. A drafter trained on it is silently fed other inputs at serve time.
+    """
+    last = num_target_layers - 1
+    if last not in set(int(i) for i in target_layer_ids):
+        return None
+    return (f"target_layer_ids {list(target_layer_ids)} taps the target's last layer {last}: our trainer "
+            "takes it after the target's final norm, vLLM before that norm, and SGLang never captures it, "
+            f"so the served drafter would see other inputs than in training; use ids in [0, {last - 1}]")
+
+
 def _text_config(target_config):
     """Multimodal configs keep the language model's settings in `text_config`."""
     return getattr(target_config, "text_config", None) or target_config
 
 
-def _rope_theta(cfg) -> float:
-    """The target's base theta; targets with RoPE per layer type (Gemma 3: local 1e4, global 1e6) give
-    their full-attention one, the long-range setting the drafter's full layers need."""
+def rope_theta_of(cfg) -> float:
+    """rope_theta of an HF config: `rope_parameters` (transformers 5) or the older attribute. Targets with
+    RoPE per layer type (Gemma 3: local 1e4, global 1e6) give their full-attention one, the long-range
+    setting the drafter's full layers need."""
     params = getattr(cfg, "rope_parameters", None) or {}
     if isinstance(params, dict) and isinstance(params.get(FULL), dict):
         params = params[FULL]
@@ -146,6 +166,13 @@ def drafter_config_from_target(target_config, *, num_layers: int, block_size: in
     check_servable(cfg, head_dim)
     n_target = cfg.num_hidden_layers
     ids = list(target_layer_ids) if target_layer_ids is not None else build_target_layer_ids(n_target, num_taps)
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        raise ValueError(f"target_layer_ids {ids} are not strictly increasing (the engines capture each layer "
+                         f"once): a target of {n_target} layers has {max(n_target - 3, 1)} distinct z-lab taps "
+                         "in [1, L-3]; lower drafter.num_taps or set target.layer_ids")
+    last_tap = last_layer_tap_problem(ids, n_target)
+    if last_tap:
+        raise ValueError(last_tap)
     types = (FULL,) * num_layers
     if sliding_window:
         types = (SLIDING,) * (num_layers - 1) + (FULL,)
@@ -162,7 +189,7 @@ def drafter_config_from_target(target_config, *, num_layers: int, block_size: in
         target_layer_ids=tuple(ids),
         num_target_layers=n_target,
         rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
-        rope_theta=_rope_theta(cfg),
+        rope_theta=rope_theta_of(cfg),
         max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 32768)),
         layer_types=types,
         sliding_window=sliding_window,

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dflash_train.model.attention import attend
+from dflash_train.model.attention import SLIDING, attend, inference_mask
 from dflash_train.model.config import DrafterConfig
 
 
@@ -175,8 +175,6 @@ class DFlashDrafter(nn.Module):
         """
         masks = {}
         if self.config.sliding_window:
-            from dflash_train.model.attention import SLIDING, inference_mask
-
             masks[SLIDING] = inference_mask(cache.length, block_embeds.shape[1], self.config.sliding_window,
                                             block_embeds.device)
         return self.run_layers(block_embeds, cache.kv, block_positions, masks, backend)

@@ -21,9 +21,12 @@ from dflash_train.atomic import atomic_dir
 from dflash_train.model.attention import FULL
 from dflash_train.model.config import DrafterConfig
 from dflash_train.model.drafter import DFlashDrafter
-from dflash_train.model.target import build_target_layer_ids
+from dflash_train.model.taps import build_target_layer_ids
 
 WEIGHTS = "model.safetensors"
+TRAINED_AGAINST = "trained_against"
+"""dflash_config key holding the identity of the target the drafter was trained against."""
+DFLASH_KEYS = {"mask_token_id", "target_layer_ids", "block_size"}
 KNOWN_KEYS = {
     "architectures", "model_type", "block_size", "num_target_layers", "dflash_config", "hidden_size",
     "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -34,8 +37,14 @@ KNOWN_KEYS = {
 }
 
 
-def zlab_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) -> dict:
-    """The config.json of a z-lab DFlash drafter (key order as in the published Qwen3-8B one)."""
+def zlab_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16,
+                     trained_against: dict | None = None) -> dict:
+    """The config.json of a z-lab DFlash drafter (key order as in the published Qwen3-8B one).
+
+    `trained_against` (the target's identity, `TargetInfo.provenance()`) goes into
+    `dflash_config.trained_against`, a key the engines do not read; without it, one carried in
+    `cfg.extra` from a loaded checkpoint stays.
+    """
     d = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
@@ -66,7 +75,11 @@ def zlab_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16) ->
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": cfg.eos_token_id,
     }
-    d.update(cfg.extra)
+    extra = dict(cfg.extra)
+    d["dflash_config"].update(extra.pop("dflash_config", {}))
+    if trained_against is not None:
+        d["dflash_config"][TRAINED_AGAINST] = trained_against
+    d.update(extra)
     return d
 
 
@@ -95,10 +108,20 @@ def drafter_config_from_zlab(d: dict, source: str = "config.json") -> DrafterCon
             rope_theta=d.get("rope_theta", 1e6), max_position_embeddings=d.get("max_position_embeddings", 32768),
             layer_types=tuple(d.get("layer_types") or (FULL,) * n_layers), sliding_window=d.get("sliding_window"),
             attention_bias=d.get("attention_bias", False), bos_token_id=d.get("bos_token_id"),
-            eos_token_id=d.get("eos_token_id"), extra={k: v for k, v in d.items() if k not in KNOWN_KEYS},
+            eos_token_id=d.get("eos_token_id"), extra=_extra_keys(d),
         )
     except KeyError as e:
         raise ValueError(f"{source}: missing key {e.args[0]}") from None
+
+
+def _extra_keys(d: dict) -> dict:
+    """Keys we do not model, carried through a load/save unchanged (unknown `dflash_config` keys,
+    such as `trained_against`, under `dflash_config`)."""
+    extra = {k: v for k, v in d.items() if k not in KNOWN_KEYS}
+    dflash_extra = {k: v for k, v in (d.get("dflash_config") or {}).items() if k not in DFLASH_KEYS}
+    if dflash_extra:
+        extra["dflash_config"] = dflash_extra
+    return extra
 
 
 def _write_dir(out_dir: str | Path, files: dict) -> Path:
@@ -117,10 +140,10 @@ def _write_json(data: dict):
 
 
 def save_zlab(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
-              extra_files: dict | None = None) -> Path:
+              extra_files: dict | None = None, trained_against: dict | None = None) -> Path:
     """Write config.json + model.safetensors (tensors cast to `dtype`), atomically."""
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
-    files = {"config.json": _write_json(zlab_config_dict(drafter.config, dtype)),
+    files = {"config.json": _write_json(zlab_config_dict(drafter.config, dtype, trained_against)),
              WEIGHTS: lambda p: save_file(tensors, str(p), metadata={"format": "pt"})}
     for name, data in (extra_files or {}).items():
         files[name] = _write_json(data)
@@ -188,3 +211,29 @@ def save_speculators(drafter: DFlashDrafter, out_dir: str | Path, embed_weight: 
     files = {"config.json": _write_json(speculators_config_dict(drafter.config, verifier, verifier_arch)),
              WEIGHTS: lambda p: save_file(tensors, str(p), metadata={"format": "pt"})}
     return _write_dir(out_dir, files)
+
+
+def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, target_model: str | None = None,
+                   gguf_file: str | None = None, dtype: torch.dtype = torch.bfloat16, log=print) -> Path:
+    """The serving artefact: save in z-lab format with the training target recorded in
+    `dflash_config.trained_against`, then check it as the engines will load it.
+
+    Raises `ServingContractError` (a ValueError listing every failure) when the written drafter
+    would be served wrong. A target whose files are not on this machine (a disaggregated run's
+    drafter node) is not recorded, and that is said."""
+    # serving_check reads checkpoints with this module's loader: imported here to avoid the cycle
+    from dflash_train.model.serving_check import ServingContractError, check_drafter
+    from dflash_train.model.target_identity import describe_target
+
+    target = None
+    if target_model is not None:
+        try:
+            target = describe_target(target_model, gguf_file)
+        except (FileNotFoundError, OSError, ValueError) as e:
+            log(f"export: WARNING: the training target is not recorded and not checked: {e}")
+    path = save_zlab(drafter, out_dir, dtype=dtype, trained_against=target.provenance() if target else None)
+    failures = check_drafter(path, target, trained=drafter)
+    if failures:
+        raise ServingContractError(path, failures)
+    log(f"export: {path} passes the serving check" + (f" against {target.name} ({target.path})" if target else ""))
+    return path

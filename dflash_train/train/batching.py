@@ -12,21 +12,12 @@ Micro-batch i = d * accum + m of a step is computed by target rank i % T.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from dflash_train.data.anchors import anchor_generator, sample_anchors
-
-
-@dataclass(frozen=True)
-class Sample:
-    id: str
-    input_ids: tuple[int, ...]
-    loss_mask: tuple[int, ...]
-
-    def __len__(self) -> int:
-        return len(self.input_ids)
+from dflash_train.data.records import Sample
 
 
 @dataclass(frozen=True)
@@ -90,6 +81,11 @@ class StepSampler:
                              f"{self.num_samples}; resume needs the same data")
         self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
 
+    @property
+    def steps_done(self) -> int:
+        """Steps drawn since the start of the run (the cursor counts from epoch 0, step 0)."""
+        return self.epoch * self.steps_per_epoch + self.step_in_epoch
+
 
 def padded_length(lengths: list[int], multiple: int, max_len: int) -> int:
     """Pad to a multiple (few distinct shapes -> few compiles); never beyond max_len."""
@@ -99,7 +95,8 @@ def padded_length(lengths: list[int], multiple: int, max_len: int) -> int:
 
 @dataclass
 class MicroBatch:
-    """Host tensors of one micro-batch; `taps` is filled by a taps source."""
+    """Host tensors of one micro-batch, plus the target's tensors by name (`from_target`, filled
+    by a taps source following the run's `TapsSpec`: "taps" [b, S, K*H], ...)."""
 
     ids: list[str]
     input_ids: torch.Tensor  # [b, S] int64, right-padded with 0
@@ -107,7 +104,11 @@ class MicroBatch:
     attention_mask: torch.Tensor  # [b, S] int64
     anchors: torch.Tensor  # [b, N] int64, sorted
     keep: torch.Tensor  # [b, N] bool
-    taps: torch.Tensor | None = None  # [b, S, K*H]
+    from_target: dict[str, torch.Tensor] = field(default_factory=dict)  # name -> [b, S, width]
+
+    @property
+    def taps(self) -> torch.Tensor:
+        return self.from_target["taps"]
 
 
 def collate(samples: list[Sample], epoch: int, seed: int, num_anchors: int, pad_multiple: int,
@@ -127,3 +128,21 @@ def collate(samples: list[Sample], epoch: int, seed: int, num_anchors: int, pad_
         attention[row, :n] = 1
         anchors[row], keep[row] = sample_anchors(loss_mask[row], num_anchors, anchor_generator(seed, epoch, s.id))
     return MicroBatch([s.id for s in samples], input_ids, loss_mask, attention, anchors, keep)
+
+
+HOST_FIELDS = ("input_ids", "loss_mask", "anchors", "keep")  # what the step reads besides the target's tensors
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy without a stream sync: a copy from pageable host memory waits for the GPU to drain
+    (CUDA stages it), which left the GPU idle at the start of every step; pinned + non_blocking
+    does not wait."""
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def to_device(mb: MicroBatch, device) -> dict:
+    """The step's inputs on the device: the host fields and every tensor from the target, by name."""
+    tensors = {k: getattr(mb, k) for k in HOST_FIELDS} | mb.from_target
+    return {k: host_to_device(t, device) for k, t in tensors.items()}

@@ -1,9 +1,13 @@
 """Training checkpoints: everything needed to continue exactly, written atomically.
 
+Every resumable thing is `Stateful` (torch.distributed.checkpoint.stateful's protocol:
+`state_dict()` / `load_state_dict()`); one `Checkpointer` saves and restores them all, by name.
 Layout of `<out_dir>/checkpoints/step_00000100/`:
-  drafter/      z-lab format in float32 (the master weights; vLLM/SGLang load it as is)
-  trainer.pt    optimizer, scheduler, data cursor, train state, RNG states (torch.save of plain
-                tensors and containers; loaded with weights_only=True)
+  drafter/      the `DrafterState`: z-lab format in float32 (the master weights; vLLM/SGLang load
+                it as is)
+  trainer.pt    {name: state_dict()} of the others: "train" (progress), "optimizer", "scheduler",
+                "data" (the taps source's cursor), "budget" (a time budget's decision), "rng"
+                (torch.save of plain tensors and containers; loaded with weights_only=True)
   meta.json     step, metrics, resolved config, provenance (argv, git sha, versions, world size)
 `latest` and `best` (by held-out simulated tau) are symlinks beside them. Only the last
 `keep_last` step directories are kept, plus the best one.
@@ -19,9 +23,13 @@ import sys
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import transformers
+from torch.distributed.checkpoint.stateful import Stateful
 
 from dflash_train import atomic
 from dflash_train.model.hf_format import load_zlab, save_zlab
+from dflash_train.train.optim import full_precision_weights
 
 
 def rng_state() -> dict:
@@ -45,16 +53,93 @@ def provenance(world_size: int) -> dict:
                              cwd=Path(__file__).parent).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         sha = ""
-    import transformers
-
     return {"argv": sys.argv, "git_sha": sha, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": sys.version.split()[0], "world_size": world_size}
 
 
+class RNGState:
+    """Stateful: the torch, python and CUDA generators of this process."""
+
+    def state_dict(self) -> dict:
+        return rng_state()
+
+    def load_state_dict(self, state: dict) -> None:
+        set_rng_state(state)
+
+
+class TrainProgress:
+    """Stateful: steps taken, tokens trained on, seconds of training spent (a time budget
+    carries them over)."""
+
+    def __init__(self):
+        self.step, self.tokens, self.seconds = 0, 0, 0.0
+
+    def state_dict(self) -> dict:
+        return {"step": self.step, "tokens": self.tokens, "seconds": self.seconds}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.tokens, self.seconds = state["step"], state["tokens"], state.get("seconds", 0.0)
+
+
+class DrafterState:
+    """Stateful: the drafter's float32 weights, i.e. the masters of a MasterWeightAdamW (its bf16
+    module weights are their rounding). Stored as a z-lab directory rather than in trainer.pt."""
+
+    def __init__(self, drafter, optimizer):
+        self.drafter, self.optimizer = drafter, optimizer
+
+    def state_dict(self) -> dict:
+        with full_precision_weights(self.optimizer):
+            return {k: v.detach().clone() for k, v in self.drafter.state_dict().items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        with full_precision_weights(self.optimizer):  # bf16 weights: the float32 state loads into the masters
+            self.drafter.load_state_dict(state)
+
+    def save(self, path: Path) -> None:
+        with full_precision_weights(self.optimizer):
+            save_zlab(self.drafter, path, dtype=torch.float32)
+
+    def load(self, path: Path) -> None:
+        loaded = load_zlab(path, device=next(self.drafter.parameters()).device, dtype=torch.float32)
+        self.load_state_dict(loaded.state_dict())
+
+
 class Checkpointer:
+    """The one manager of resumable state: `save` writes the drafter and every named Stateful,
+    `restore` loads them back; `resume_point` finds what to resume from."""
+
     def __init__(self, out_dir: str | Path, keep_last: int):
         self.root = Path(out_dir) / "checkpoints"
         self.keep_last = max(1, keep_last)
+
+    def resume_point(self, resume: bool, topo) -> tuple[str, dict] | None:
+        """(path, trainer_state) of the latest checkpoint when resuming, read on the main drafter
+        rank and shared with every rank (targets need the data cursor; trainer.pt is read once)."""
+        payload = [None]
+        if resume and (topo.is_main or not topo.distributed):
+            path = self.latest()
+            if path is None:
+                print(f"resume: no checkpoint under {self.root}; starting fresh", flush=True)
+            else:
+                payload = [(str(path), torch.load(path / "trainer.pt", map_location="cpu", weights_only=True))]
+        if topo.distributed:
+            dist.broadcast_object_list(payload, src=topo.drafter_ranks[0])
+        return payload[0]
+
+    @staticmethod
+    def restore(point: tuple[str, dict], states: dict[str, Stateful], model: DrafterState | None = None) -> None:
+        """Load a resume point into `model` and the named states (a name the checkpoint lacks,
+        written by an older version, keeps its fresh state)."""
+        path, trainer = point
+        missing = [part for part in ("drafter", "trainer.pt", "meta.json") if not (Path(path) / part).exists()]
+        if missing:
+            raise FileNotFoundError(f"{path}: incomplete checkpoint, missing {missing}")
+        if model is not None:
+            model.load(Path(path) / "drafter")
+        for name, state in states.items():
+            if name in trainer:
+                state.load_state_dict(trainer[name])
 
     def latest(self) -> Path | None:
         link = self.root / "latest"
@@ -64,12 +149,14 @@ class Checkpointer:
         link = self.root / "best"
         return link.resolve() if link.exists() else None
 
-    def save(self, step: int, drafter, trainer_state: dict, meta: dict, sim_tau: float | None = None) -> Path:
-        """Write step_<step>/ atomically, repoint `latest` (and `best`), prune old steps."""
+    def save(self, step: int, model: DrafterState, states: dict[str, Stateful], meta: dict,
+             sim_tau: float | None = None) -> Path:
+        """Write step_<step>/ atomically: the drafter and {name: state_dict()} of every Stateful;
+        repoint `latest` (and `best`), prune old steps."""
         name = f"step_{step:08d}"
         with atomic.atomic_dir(self.root / name) as tmp:
-            save_zlab(drafter, tmp / "drafter", dtype=torch.float32)
-            torch.save(trainer_state, tmp / "trainer.pt")
+            model.save(tmp / "drafter")
+            torch.save({key: state.state_dict() for key, state in states.items()}, tmp / "trainer.pt")
             (tmp / "meta.json").write_text(json.dumps({"step": step, "sim_tau": sim_tau, **meta}, indent=2,
                                                       default=str))
         atomic.point_link(self.root / "latest", name)
@@ -91,14 +178,3 @@ class Checkpointer:
         for old in steps[:-self.keep_last]:
             if old.resolve() not in protected:
                 shutil.rmtree(old, ignore_errors=True)
-
-    @staticmethod
-    def load(path: str | Path, device) -> tuple:
-        """(drafter in float32, trainer_state, meta) of a checkpoint directory."""
-        path = Path(path)
-        for part in ("drafter", "trainer.pt", "meta.json"):
-            if not (path / part).exists():
-                raise FileNotFoundError(f"{path}: incomplete checkpoint, missing {part}")
-        drafter = load_zlab(path / "drafter", device=device, dtype=torch.float32)
-        state = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
-        return drafter, state, json.loads((path / "meta.json").read_text())

@@ -1,51 +1,12 @@
-"""`dflash-train train [--recipe NAME] [section.field=value ...]`.
-
-Run directly (one process) or under torchrun (one process per GPU, any number of nodes). With no
-arguments it runs the embedded default recipe end to end on CPU (or a GPU when there is one).
-A rank that fails prints its error and exits at once with status 1, so torchrun stops the job.
-"""
+"""What `dflash-train train` prints at the end of a run (dflash_train/commands/train.py): the
+summary and the commands that serve the exported drafter with the target it was trained against."""
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
-import traceback
-from pathlib import Path
-
-from dflash_train import recipes
-from dflash_train.config import apply_overrides
+from dflash_train.model.serving_check import serve_instructions
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--recipe", default="default", help=f"named run: {', '.join(recipes.RECIPES)}")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.out_dir")
-    p.add_argument("overrides", nargs="*", help="section.field=value, e.g. train.max_steps=100")
-
-
-def serving_commands(drafter_dir: str, target: str, block_size: int) -> str:
-    spec = ('{"method": "dflash", "model": "%s", "num_speculative_tokens": %d}' % (drafter_dir, block_size - 1))
-    return (f"  vLLM:   vllm serve {target} --speculative-config '{spec}' --attention-backend flash_attn\n"
-            f"  SGLang: python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-            f"--speculative-draft-model-path {drafter_dir} --speculative-num-draft-tokens {block_size}")
-
-
-def served_target(target_cfg) -> str:
-    """What a serving engine should load as the target: the hub id of the embedded SmolLM2, the
-    HF directory this tool converted a GGUF file into (safetensors + tokenizer, which vLLM and
-    SGLang load as is), or the model path as given."""
-    if target_cfg.model == "smollm2":
-        return "HuggingFaceTB/SmolLM2-135M-Instruct"
-    from dflash_train.model.target import gguf_cache_dir, resolve_target
-
-    path, gguf_file = resolve_target(target_cfg.model, target_cfg.gguf_file)
-    if gguf_file is not None and gguf_cache_dir(Path(path) / gguf_file).is_dir():
-        return str(gguf_cache_dir(Path(path) / gguf_file))
-    return target_cfg.model
-
-
-def _summary(cfg, result: dict) -> str:
+def summary(result: dict) -> str:
     sim = result.get("sim") or {}
     lines = [f"trained {result['steps']}/{result['total_steps']} steps, {result['tokens']} tokens; "
              f"held-out simulated tau {sim.get('sim_tau', float('nan')):.3f}"]
@@ -55,36 +16,5 @@ def _summary(cfg, result: dict) -> str:
     lines.append(f"checkpoint: {result.get('checkpoint')}\ndrafter (z-lab format): {result.get('export')}")
     if result.get("report"):
         lines.append(f"report: {result['report']}")
-    lines.append("serve it with:\n" + serving_commands(result.get("export", "DRAFTER_DIR"), served_target(cfg.target),
-                                                         cfg.drafter.block_size))
+    lines.append(serve_instructions(result["export"]))  # the recorded training target, block_size - 1 tokens
     return "\n".join(lines)
-
-
-def command(args: argparse.Namespace) -> int:
-    try:
-        cfg = apply_overrides(recipes.get(args.recipe), args.overrides + (["train.resume=true"] if args.resume else []))
-    except ValueError as e:
-        print(f"dflash-train train: FAILED: {e}", flush=True)
-        return 2
-    if args.print_config:
-        print(cfg.to_json(), flush=True)
-        return 0
-    from dflash_train.train.loop import train
-
-    try:
-        result = train(cfg)
-    except Exception as e:  # noqa: BLE001 - every failure ends with a verdict and a non-zero exit
-        rank = os.environ.get("RANK", "0")
-        traceback.print_exc()
-        print(f"dflash-train train: FAILED on rank {rank}: {type(e).__name__}: {e}", flush=True)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        if os.environ.get("WORLD_SIZE", "1") != "1":
-            os._exit(1)  # do not wait on peers that may be blocked in a collective: torchrun ends the job
-        return 1
-    if result.get("role") == "drafter" and "export" in result:
-        print(_summary(cfg, result), flush=True)
-    status = "INTERRUPTED" if result.get("interrupted") else "OK"
-    print(f"dflash-train train: {status} (rank {os.environ.get('RANK', '0')}, {result.get('role')}, "
-          f"{result.get('steps', '-')} steps)", flush=True)
-    return 0 if status == "OK" else 3

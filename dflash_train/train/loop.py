@@ -1,16 +1,15 @@
 """`train(cfg)`: the one training loop. Read it top to bottom.
 
-setup (topology, target, data, drafter, optimizer, resume) -> target ranks serve taps and return;
-drafter ranks: while step < total: get taps -> step -> log / held-out simulated tau / checkpoint.
-Then the final checkpoint, the z-lab export and, on a colocated main rank, real speculative
-decoding on held-out prompts. Every process runs a watchdog; SIGTERM/SIGINT checkpoint and stop.
+setup (topology, target, data, batching, resume point) -> target ranks serve taps and return;
+drafter ranks: build the drafter, optimizer and taps source, restore them, then while step < end:
+taps -> step -> log / held-out simulated tau / checkpoint. Then the final checkpoint, the z-lab
+export and, with the target in-process, real speculative decoding on held-out prompts. Every
+process runs a watchdog; SIGTERM/SIGINT checkpoint and stop.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import signal
 import time
 from pathlib import Path
 
@@ -18,321 +17,294 @@ import torch
 import torch.distributed as dist
 
 from dflash_train.config import RunConfig
+from dflash_train.data.text import check_data_format
 from dflash_train.diagnostics.watchdog import Watchdog
-from dflash_train.model.hf_format import load_zlab, save_zlab
+from dflash_train.eval.evaluate import evaluate
+from dflash_train.eval.prompt_sets import load_prompt_sets
+from dflash_train.eval.report import lossless_note
+from dflash_train.model.config import DrafterConfig
+from dflash_train.model.hf_format import export_drafter, load_zlab
+from dflash_train.model.target import load_target
 from dflash_train.train import balance, setup
 from dflash_train.train.balance import ComputeTimer
-from dflash_train.train.batching import BatchPlan, StepSampler
-from dflash_train.train.checkpoint import Checkpointer, provenance, rng_state, set_rng_state
-from dflash_train.train.health import CompileHealthWatch
-from dflash_train.train.loss import LossStats, summarize
+from dflash_train.train.batching import BatchPlan, MicroBatch, to_device
+from dflash_train.train.checkpoint import Checkpointer, DrafterState, RNGState, TrainProgress, provenance
+from dflash_train.train.health import CompileHealthWatch, FaultPlan, StopFlag
+from dflash_train.train.loss import LossMix, LossStats, summarize
 from dflash_train.train.metrics import MetricsLog
-from dflash_train.train.optim import TimeBudget, build_optimizer, full_precision_weights
+from dflash_train.train.optim import TimeBudget, build_optimizer, param_dtype
 from dflash_train.train.parallel import parallelize, resolve_backend, resolve_compile, use_shared_compile_cache
-from dflash_train.train.sources import (CollateArgs, ColocatedSource, RemoteSource, StoredTapsSource, compute_taps,
-                                        serve_taps)
-from dflash_train.train.step import StepContext, forward_stats, reduce_stats, to_device, train_step
-from dflash_train.train.topology import init_distributed, pick_device, topology_from_env
+from dflash_train.train.sources import CollateArgs, Feed, TapsSource, TargetServer, build_source
+from dflash_train.train.step import StepContext, forward_stats, reduce_stats, train_step
+from dflash_train.train.taps import taps_spec
+from dflash_train.train.topology import Topology, init_distributed, pick_device, topology_from_env
+from dflash_train.validate import validate_run
 
 PAD_MULTIPLE = 64  # uncompiled runs pad lengths to this multiple; compiled runs pad to max_len (static)
 AGREE_EVERY = 4  # several drafter ranks agree on stopping (signal, time budget) every this many steps
 SETUP_WATCHDOG_S = 1800.0  # loading, data preparation and the first (compiling) step beat rarely
-FAULT_ENV = "DFLASH_INJECT_FAULT"  # "raise|hang:rank=R:step=S", for testing failure handling
 
 
-def inject_fault(rank: int, step: int) -> None:
-    """Test hook: raise, or stall forever, on rank R after step S (see FAULT_ENV)."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    kind, *fields = spec.split(":")
-    where = dict(f.split("=") for f in fields)
-    if int(where.get("rank", -1)) == rank and int(where.get("step", -1)) == step:
-        if kind == "hang":
-            while True:
-                time.sleep(3600)
-        raise RuntimeError(f"injected fault ({FAULT_ENV}={spec})")
+@dataclasses.dataclass(frozen=True)
+class Process:
+    """This process: its config, place in the topology, device, logger and guards."""
+
+    cfg: RunConfig
+    topo: Topology
+    device: torch.device
+    dp_group: object  # the drafter ranks' process group (None for a world of one)
+    out_dir: Path
+    log: object
+    watchdog: Watchdog
+    stop: StopFlag
+    faults: FaultPlan
 
 
-class StopFlag:
-    """SIGTERM/SIGINT: inside the training loop (`deferring`), the loop checkpoints and stops at the
-    next step boundary; anywhere else, or on a second signal, the process stops at once."""
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What every rank knows once setup is done (built by `_prepare`)."""
 
-    def __init__(self):
-        self.signal = None
-        self.deferring = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
+    target: object  # model.target.Target
+    dcfg: DrafterConfig
+    data: setup.Data
+    feed: Feed
+    total_steps: int
+    backend: str
+    compiled: bool
+    checkpointer: Checkpointer
+    resume: tuple[str, dict] | None  # (checkpoint path, trainer state) when resuming
 
-    def _handle(self, signum, frame):
-        name = signal.Signals(signum).name
-        if not self.deferring or self.signal is not None:
-            print(f"{name}: stopping now", flush=True)
-            raise SystemExit(128 + signum)
-        self.signal = name
-        print(f"{name}: will checkpoint and stop after this step (again to stop at once)", flush=True)
 
-    def __call__(self) -> bool:
-        return self.signal is not None
+@dataclasses.dataclass(frozen=True)
+class Training:
+    """A drafter rank's training state: the Stateful parts (by checkpoint name) and what uses them."""
+
+    drafter: torch.nn.Module
+    model: torch.nn.Module  # what the step calls: cast, DDP-wrapped and compiled as configured
+    ctx: StepContext
+    source: TapsSource
+    held_out: list[MicroBatch]
+    progress: TrainProgress
+    budget: TimeBudget
+    weights: DrafterState
+    states: dict  # name -> Stateful, as in trainer.pt
 
 
 def train(cfg: RunConfig) -> dict:
     topo = topology_from_env(cfg.topology.mode, cfg.topology.target_ranks)
-    setup.validate_run(cfg, topo)
+    validate_run(cfg, topo)
+    faults = FaultPlan.from_env()
     device = pick_device(topo)
     dp_group = init_distributed(topo, device)
     out_dir = Path(cfg.train.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     use_shared_compile_cache(out_dir.parent / ".compile-cache")
-    log = _logger(topo)
     watchdog = Watchdog(max(cfg.train.watchdog_seconds, SETUP_WATCHDOG_S), name=f"rank{topo.rank}")
     watchdog.start()
-    stop = StopFlag()
+    p = Process(cfg, topo, device, dp_group, out_dir, _logger(topo), watchdog, StopFlag(), faults)
     try:
-        return _run(cfg, topo, device, dp_group, out_dir, log, watchdog, stop)
+        s = _prepare(p)
+        return _serve(p, s) if topo.is_target else _train_drafter(p, s)
     finally:
         watchdog.stop()
 
 
-@dataclasses.dataclass
-class Run:
-    """What every rank knows once setup is done (plain data; built by `_prepare`)."""
-
-    cfg: RunConfig
-    topo: object
-    device: torch.device
-    dp_group: object
-    out_dir: Path
-    log: object
-    watchdog: Watchdog
-    stop: StopFlag
-    target: object = None
-    dcfg: object = None
-    train_samples: list = None
-    held_out: list = None
-    stored_taps: object = None  # per train sample, when taps come from regeneration or shards
-    held_out_taps: object = None
-    plan: BatchPlan = None
-    sampler: StepSampler = None
-    total_steps: int = 0
-    backend: str = "sdpa"
-    compiled: bool = False
-    collate_fn: object = None
-    eval_mbs: list = None
-    checkpointer: Checkpointer = None
-    resume: tuple | None = None
-
-    @property
-    def layer_ids(self) -> list[int]:
-        return list(self.dcfg.target_layer_ids)
+def _prepare(p: Process) -> Setup:
+    """Target, drafter config, samples (and stored taps), batching, resume point."""
+    cfg, topo = p.cfg, p.topo
+    with p.watchdog.stage("load target"):
+        target = load_target(cfg.target.model, cfg.target.gguf_file, cfg.target.dtype, p.device,
+                             cfg.target.trust_remote_code, check_tokenizer=lambda tok: check_data_format(
+                                 cfg.data.format, tok, cfg.target.model, cfg.eval.num_prompts))
+        if cfg.target.precision == "fp8":
+            target.quantize_fp8(log=p.log)  # before compile_layers and the regeneration pass
+    dcfg = setup.build_drafter_config(cfg, target)
+    spec = taps_spec(dcfg, target.dtype, final_hidden=cfg.loss.needs_target_hidden)
+    with p.watchdog.stage("prepare data"):
+        data = setup.load_data(cfg, topo, target, list(dcfg.target_layer_ids), spec, p.out_dir / "data", p.log,
+                               p.watchdog.beat)
+    backend = resolve_backend(cfg.train.attention, p.device)
+    compiled = resolve_compile(cfg.train.compile, p.device)
+    if compiled and data.stored is None and topo.runs_target_forward:
+        target.compile_layers()  # the target computes taps every step: fuse its elementwise work
+    pad_multiple = cfg.data.max_len if compiled else PAD_MULTIPLE
+    held_out = setup.eval_batches(data.held_out, cfg.eval.sim_anchors_per_seq, pad_multiple, cfg.data.max_len)
+    feed = Feed(data.train, BatchPlan(cfg.train.seqs_per_step, cfg.train.micro_batch, topo.num_drafters),
+                CollateArgs(cfg.train.seed, cfg.train.num_anchors, pad_multiple, cfg.data.max_len), held_out, spec,
+                cfg.train.seed)
+    total_steps = setup.total_steps_of(cfg, feed.sampler().steps_per_epoch)
+    checkpointer = Checkpointer(p.out_dir, cfg.train.keep_last)
+    resume = checkpointer.resume_point(cfg.train.resume, topo)
+    return Setup(target, dcfg, data, feed, total_steps, backend, compiled, checkpointer, resume)
 
 
-def _run(cfg, topo, device, dp_group, out_dir, log, watchdog, stop) -> dict:
-    run = _prepare(Run(cfg, topo, device, dp_group, out_dir, log, watchdog, stop))
-    if topo.is_target:
-        return _serve(run)
-    return _train_drafter(run)
+def _balance_due(p: Process, s: Setup, step: int) -> bool:
+    return (p.topo.has_target_ranks and step == balance.BALANCE_STEP - 1
+            and s.total_steps >= balance.BALANCE_STEP and s.resume is None)
 
 
-def _prepare(run: Run) -> Run:
-    """Target, drafter config, samples (and taps where stored), batching, resume point."""
-    from dflash_train.data.text import check_data_format
-    from dflash_train.model.target import load_target
-
-    cfg, topo = run.cfg, run.topo
-    with run.watchdog.stage("load target"):
-        run.target = load_target(cfg.target.model, cfg.target.gguf_file, cfg.target.dtype, run.device,
-                                 cfg.target.trust_remote_code, check_tokenizer=lambda tok: check_data_format(
-                                     cfg.data.format, tok, cfg.target.model, cfg.eval.num_prompts))
-    run.dcfg = setup.build_drafter_config(cfg, run.target)
-    with run.watchdog.stage("prepare data"):
-        if topo.mode == "offline":
-            (run.train_samples, run.stored_taps), (run.held_out, run.held_out_taps) = \
-                setup.samples_from_shards(cfg, run.layer_ids, run.log)
-        elif setup.taps_from_regeneration(cfg, topo):
-            (run.train_samples, run.stored_taps), (run.held_out, run.held_out_taps) = setup.prepare_tapped(
-                cfg, run.target, run.layer_ids, run.out_dir / "data", run.log, run.watchdog.beat)
-        else:
-            run.train_samples, run.held_out = setup.load_or_build_samples(
-                cfg, run.target, topo, run.out_dir / "data", run.log, heartbeat=run.watchdog.beat)
-    run.plan = BatchPlan(cfg.train.seqs_per_step, cfg.train.micro_batch, topo.num_drafters)
-    run.sampler = StepSampler(len(run.train_samples), cfg.train.seqs_per_step, cfg.train.seed)
-    run.total_steps = setup.total_steps_of(cfg, run.sampler.steps_per_epoch)
-    run.backend = resolve_backend(cfg.train.attention, run.device)
-    run.compiled = resolve_compile(cfg.train.compile, run.device)
-    if run.compiled and run.stored_taps is None and topo.runs_target_forward:
-        run.target.compile_layers()  # the target computes taps every step: fuse its elementwise work
-    pad_multiple = cfg.data.max_len if run.compiled else PAD_MULTIPLE
-    run.collate_fn = CollateArgs(cfg.train.seed, cfg.train.num_anchors, pad_multiple, cfg.data.max_len)
-    run.eval_mbs = setup.eval_batches(run.held_out, cfg.eval.sim_anchors_per_seq, pad_multiple, cfg.data.max_len)
-    run.checkpointer = Checkpointer(run.out_dir, cfg.train.keep_last)
-    run.resume = _resume_point(cfg, topo, run.checkpointer)
-    return run
-
-
-def _balance_due(run: Run, step: int) -> bool:
-    return (run.topo.mode == "disaggregated" and step == balance.BALANCE_STEP - 1
-            and run.total_steps >= balance.BALANCE_STEP and run.resume is None)
-
-
-def _serve(run: Run) -> dict:
+def _serve(p: Process, s: Setup) -> dict:
     """A target rank: compute and send the taps of every micro-batch routed to it."""
-    cfg, topo = run.cfg, run.topo
-    timer = ComputeTimer(run.device)
-    done = 0
-
-    def on_timer(k: int, event: str, sequences: int) -> None:
-        if balance.in_window(k):
-            timer.start() if event == "start" else timer.stop(sequences)
-
-    health = CompileHealthWatch(run.compiled, False, 0, run.log)
-
-    def on_step(k: int) -> None:
-        run.watchdog.timeout_s = cfg.train.watchdog_seconds
-        inject_fault(topo.rank, k)
-        health.after_step(k, last=k == run.total_steps - done)
-        if _balance_due(run, k):
-            balance.share_and_report("target", timer.seconds_per_sequence(), topo, run.log)
-
-    if run.resume is not None:
-        run.sampler.load_state_dict(run.resume[1]["data"])
-        done = run.resume[1]["train"]["step"]
-    _send_eval_taps(run.target, run.layer_ids, run.eval_mbs, topo, run.device)
-    stats = serve_taps(run.target, run.layer_ids, run.train_samples, run.sampler, run.plan, topo, run.collate_fn,
-                       run.device, run.total_steps - done, cfg.topology.max_in_flight, heartbeat=run.watchdog.beat,
-                       stop_requested=run.stop, on_step=on_step, timer=on_timer)
-    run.log(f"target rank {topo.rank}: done, busy {stats['busy_s']:.1f}s, waiting on drafters {stats['wait_s']:.1f}s")
+    cfg, topo = p.cfg, p.topo
+    server = TargetServer(s.feed, topo, s.target, list(s.dcfg.target_layer_ids), p.device,
+                          cfg.topology.max_in_flight)
+    if s.resume is not None:
+        Checkpointer.restore(s.resume, {"data": server.sampler})  # the data cursor: where to go on
+    done = server.sampler.steps_done
+    health = CompileHealthWatch(s.compiled, False, done, p.log)
+    server.send_held_out()
+    for step in range(done + 1, s.total_steps + 1):
+        if p.stop():
+            break
+        server.serve_step(timed=balance.in_window(step))
+        p.watchdog.beat("target: sent step")
+        p.watchdog.timeout_s = cfg.train.watchdog_seconds  # warm-up (compilation) is over: strict from now
+        p.faults.inject_fault(topo.rank, step)
+        health.after_step(step, last=step == s.total_steps)
+        if _balance_due(p, s, step):
+            balance.share_and_report("target", server.balance.seconds_per_sequence(), topo, p.log)
+    stats = server.finish()
+    p.log(f"target rank {topo.rank}: done, busy {stats['busy_s']:.1f}s, waiting on drafters {stats['wait_s']:.1f}s")
     return _finish_distributed(topo, {"role": "target", **stats})
 
 
-def _taps_source(run: Run):
-    """Where this drafter rank's taps come from; also fills the held-out batches' taps."""
-    taps_width = run.dcfg.num_taps * run.dcfg.hidden_size
-    dtype, index = run.target.dtype, run.topo.drafter_index
-    if run.stored_taps is not None:
-        setup.fill_eval_taps(run.eval_mbs, run.held_out_taps, dtype)
-        return StoredTapsSource(run.train_samples, run.sampler, run.plan, index, run.collate_fn,
-                                lambda i: run.stored_taps[i], dtype)
-    if run.topo.mode == "colocated":
-        for mb in run.eval_mbs:
-            mb.taps = compute_taps(run.target, run.layer_ids, mb, run.device)
-        return ColocatedSource(run.train_samples, run.sampler, run.plan, index, run.collate_fn, run.target,
-                               run.layer_ids, run.device)
-    _recv_eval_taps(run.eval_mbs, run.topo, taps_width, dtype, run.device)
-    return RemoteSource(run.train_samples, run.sampler, run.plan, run.topo, run.collate_fn, taps_width, dtype,
-                        run.device, steps_left=run.total_steps)
+def _step_context(p: Process, s: Setup) -> StepContext:
+    lm_head = s.target.lm_head_weight.detach()
+    vocab = setup.train_vocab_of(p.cfg, s.data.train, s.target.vocab_size, p.log)
+    vocab = vocab.to(p.device) if vocab is not None else None
+    return StepContext(embed_weight=s.target.embed_weight.detach(), lm_head_weight=lm_head, drafter=s.dcfg,
+                       gamma=setup.gamma_of(p.cfg), chunk_tokens=p.cfg.loss.chunk_tokens, backend=s.backend,
+                       device=p.device, autocast_dtype=torch.bfloat16 if p.device.type == "cuda" else None,
+                       dp_group=p.dp_group, num_drafters=p.topo.num_drafters, compile_loss=s.compiled,
+                       train_vocab=vocab, train_lm_head=vocab.restrict(lm_head) if vocab is not None else None,
+                       loss=LossMix.from_config(p.cfg.loss))
 
 
-def _step_context(run: Run) -> StepContext:
-    cuda = run.device.type == "cuda"
-    lm_head = run.target.lm_head_weight.detach()
-    vocab = setup.train_vocab_of(run.cfg, run.train_samples, run.target.vocab_size, run.log)
-    vocab = vocab.to(run.device) if vocab is not None else None
-    return StepContext(embed_weight=run.target.embed_weight.detach(),
-                       lm_head_weight=lm_head, block_size=run.dcfg.block_size,
-                       mask_token_id=run.dcfg.mask_token_id, layer_types=run.dcfg.layer_types,
-                       sliding_window=run.dcfg.sliding_window, gamma=setup.gamma_of(run.cfg),
-                       chunk_tokens=run.cfg.loss.chunk_tokens, backend=run.backend, device=run.device,
-                       autocast_dtype=torch.bfloat16 if cuda else None, dp_group=run.dp_group,
-                       num_drafters=run.topo.num_drafters, compile_loss=run.compiled, train_vocab=vocab,
-                       train_lm_head=vocab.restrict(lm_head) if vocab is not None else None)
-
-
-def _train_drafter(run: Run) -> dict:
-    """A drafter rank: build, resume, then the loop; the main rank exports and evaluates."""
-    cfg, topo, log = run.cfg, run.topo, run.log
-    drafter = setup.init_drafter(run.dcfg, run.target, cfg.train.seed, cfg.drafter.init_from_target, run.device,
+def _build_training(p: Process, s: Setup) -> Training:
+    """Drafter, optimizer, schedule and taps source, restored from the resume point if any."""
+    cfg = p.cfg
+    drafter = setup.init_drafter(s.dcfg, s.target, cfg.train.seed, cfg.drafter.init_from_target, p.device,
                                  cfg.drafter.init_norm_scale)
-    ctx = _step_context(run)
-    budget = TimeBudget(cfg.train.max_minutes)
-    optimizer, scheduler = build_optimizer(drafter.parameters(), cfg.optim, run.total_steps, budget=budget)
-    source = _taps_source(run)
-    state = {"step": 0, "tokens": 0, "seconds": 0.0}
-    if run.resume is not None:
-        state = _restore(run.resume, drafter, optimizer, scheduler, source)
-        log(f"resumed from {run.resume[0]} at step {state['step']}")
-    model = parallelize(drafter, device=run.device, compile_model=run.compiled, dp_group=run.dp_group,
-                        num_drafters=topo.num_drafters)
+    budget = TimeBudget(cfg.train.max_minutes, s.total_steps)
+    optimizer, scheduler = build_optimizer(drafter.parameters(), cfg.optim, s.total_steps, budget=budget)
+    source = build_source(s.feed, p.topo, s.target, list(s.dcfg.target_layer_ids), p.device, s.total_steps,
+                          s.data.stored)
+    held_out = source.held_out()
+    progress, weights = TrainProgress(), DrafterState(drafter, optimizer)
+    states = {"train": progress, "optimizer": optimizer, "scheduler": scheduler, "data": source, "budget": budget,
+              "rng": RNGState()}
+    if s.resume is not None:
+        Checkpointer.restore(s.resume, states, weights)
+        p.log(f"resumed from {s.resume[0]} at step {progress.step}")
+    model = parallelize(drafter, device=p.device, compile_model=s.compiled, dp_group=p.dp_group,
+                        num_drafters=p.topo.num_drafters, param_dtype=param_dtype(optimizer),
+                        precision=cfg.train.precision, fp8_recipe=cfg.train.fp8_recipe, log=p.log)
+    return Training(drafter, model, _step_context(p, s), source, held_out, progress, budget, weights, states)
+
+
+def _train_drafter(p: Process, s: Setup) -> dict:
+    """A drafter rank: build, resume, then the loop; the main rank exports and evaluates."""
+    cfg, topo, log = p.cfg, p.topo, p.log
+    t = _build_training(p, s)
     if topo.is_main:
-        log(setup.describe(cfg, run.dcfg, topo, len(run.train_samples), len(run.held_out), run.total_steps,
-                           run.plan.accum, run.backend, run.compiled,
-                           run.dcfg.num_taps * run.dcfg.hidden_size * run.target.dtype.itemsize))
-    last_sim = _loop(run, drafter, model, ctx, optimizer, scheduler, source, state, budget)
-    result = {"role": "drafter", "steps": state["step"], "total_steps": run.total_steps, "tokens": state["tokens"],
-              "sim": last_sim, "interrupted": run.stop.signal, "out_dir": str(run.out_dir)}
+        log(setup.describe(cfg, s.dcfg, topo, len(s.data.train), len(s.data.held_out), s.total_steps,
+                           s.feed.plan.accum, s.backend, s.compiled, s.feed.spec.bytes_per_token))
+    last_sim = _loop(p, s, t)
+    result = {"role": "drafter", "steps": t.progress.step, "total_steps": s.total_steps,
+              "tokens": t.progress.tokens, "sim": last_sim, "interrupted": p.stop.signal, "out_dir": str(p.out_dir)}
     if topo.is_main:
-        best = run.checkpointer.best() or run.checkpointer.latest()
-        result["export"] = str(_export(best, run.out_dir, log))
+        best = s.checkpointer.best() or s.checkpointer.latest()
+        result["export"] = str(_export(best, p.out_dir, log, cfg.target))
         result["checkpoint"] = str(best)
-        if cfg.eval.num_prompts > 0 and topo.mode == "colocated" and not run.stop():
-            with run.watchdog.stage("real speculative decoding eval"):
-                result.update(_real_eval(cfg, Path(result["export"]), run.target, run.out_dir, log))
+        if cfg.eval.num_prompts > 0 and topo.target_in_process and not p.stop():
+            with p.watchdog.stage("real speculative decoding eval"):
+                result.update(_real_eval(cfg, Path(result["export"]), s.target, p.out_dir, log))
     return _finish_distributed(topo, result)
 
 
-def _loop(run: Run, drafter, model, ctx, optimizer, scheduler, source, state: dict, budget: TimeBudget):
+def _loop(p: Process, s: Setup, t: Training):
     """The training loop: taps -> step -> log / held-out simulated tau / checkpoint. Returns the
     last held-out figures."""
-    cfg, topo, watchdog = run.cfg, run.topo, run.watchdog
-    metrics = MetricsLog(run.out_dir, run.total_steps, state["step"], topo.is_main, cfg.train.tensorboard)
-    health = CompileHealthWatch(run.compiled, run.backend == "flex", state["step"], run.log)
-    timer = ComputeTimer(run.device)
+    cfg, topo, watchdog, progress, budget = p.cfg, p.topo, p.watchdog, t.progress, t.budget
+    optimizer, scheduler = t.states["optimizer"], t.states["scheduler"]
+    metrics = MetricsLog(p.out_dir, s.total_steps, progress.step, topo.is_main, cfg.train.tensorboard)
+    health = CompileHealthWatch(s.compiled, s.backend == "flex", progress.step, metrics.above_bar(p.log))
+    timer = ComputeTimer(p.device)
     meta = {"config": cfg.to_dict(), "provenance": provenance(topo.world_size)}
     last_sim = None
     interval_tokens, interval_start = 0, time.perf_counter()
-    budget.start(state.get("seconds", 0.0))  # a resumed run continues its time budget
-    run.stop.deferring = True
-    while state["step"] < run.total_steps:
+    budget.start(progress.step, progress.seconds)  # a resumed run continues its time budget
+    p.stop.deferring = True
+    while progress.step < _end(s, budget):
         watchdog.beat("waiting for taps")
-        epoch, mbs = source.next_step()
+        epoch, mbs = t.source.next_step()
         watchdog.beat("drafter step")
-        timed = topo.mode == "disaggregated" and balance.in_window(state["step"] + 1)
+        timed = topo.has_target_ranks and balance.in_window(progress.step + 1)
         if timed:
             timer.start()
-        stats, grad_norm = train_step(model, optimizer, scheduler, mbs, ctx, cfg.optim.grad_clip)
+        stats, grad_norm = train_step(t.model, optimizer, scheduler, mbs, t.ctx, cfg.optim.grad_clip)
         if timed:
             timer.stop(sum(mb.input_ids.shape[0] for mb in mbs))
-        state["step"] += 1
-        step, last = state["step"], state["step"] == run.total_steps
-        if _balance_due(run, step):
-            taps = [mb.taps for mb in mbs]
-            balance.share_and_report("drafter", timer.seconds_per_sequence(), topo, run.log,
-                                     sum(t.numel() * t.element_size() for t in taps) / sum(t.shape[0] for t in taps))
+        progress.step += 1
+        step = progress.step
+        if _balance_due(p, s, step):
+            balance.share_and_report("drafter", timer.seconds_per_sequence(), topo, p.log, _bytes_per_sequence(mbs))
         watchdog.timeout_s = cfg.train.watchdog_seconds  # warm-up (compilation) is over: strict from now
-        inject_fault(topo.rank, step)
+        p.faults.inject_fault(topo.rank, step)
+        decided = budget.propose(step)
+        if decided is not None:
+            budget.record(_agree_min(decided, t.ctx))
+            metrics.write(f"step {step}: train.max_minutes={cfg.train.max_minutes} allows {budget.steps} steps at "
+                          f"the measured rate (recorded; the lr's cosine ends there)")
+        last = step == _end(s, budget)
         health.after_step(step, last=last)
         step_tokens = sum(int(mb.attention_mask.sum()) for mb in mbs) * topo.num_drafters
-        state["tokens"] += step_tokens
+        progress.tokens += step_tokens
         interval_tokens += step_tokens
-        out_of_time = budget.spent()
-        stopping = _agree(run.stop() or out_of_time, ctx, step)
+        stopping = _agree(p.stop() or budget.spent(), t.ctx, step)
         if step % cfg.train.log_every == 0 or last or stopping:
+            if p.device.type == "cuda":  # the interval ends when its GPU work does (the record syncs anyway)
+                torch.cuda.synchronize(p.device)
             rate = interval_tokens / max(time.perf_counter() - interval_start, 1e-9)
-            _log_step(metrics, _train_record(step, epoch, reduce_stats(stats, ctx, run.dcfg.block_size), grad_norm,
-                                             scheduler, rate))
+            _log_step(metrics, _train_record(step, epoch, reduce_stats(stats, t.ctx), grad_norm, scheduler, rate))
             interval_tokens, interval_start = 0, time.perf_counter()
         metrics.advance(1)
         if topo.is_main and (step % cfg.train.eval_every == 0 or last or stopping):
             with watchdog.stage("held-out simulated tau"):
-                last_sim = simulated_tau(drafter, run.eval_mbs, ctx)
+                last_sim = simulated_tau(t.drafter, t.held_out, t.ctx)
             metrics.log({"step": step, "seconds": round(budget.elapsed(), 1), "eval": last_sim})
             metrics.write(f"step {step}: held-out simulated tau {last_sim['sim_tau']:.3f}, acc {_fmt(last_sim['acc'])}")
         if topo.is_main and (step % cfg.train.ckpt_every == 0 or last or stopping):
-            with watchdog.stage("checkpoint"), full_precision_weights(optimizer):
-                state["seconds"] = budget.elapsed()
-                path = run.checkpointer.save(step, drafter, _trainer_state(state, optimizer, scheduler, source),
-                                             meta, sim_tau=last_sim["sim_tau"] if last_sim else None)
+            with watchdog.stage("checkpoint"):
+                progress.seconds = budget.elapsed()
+                path = s.checkpointer.save(step, t.weights, t.states, meta,
+                                           sim_tau=last_sim["sim_tau"] if last_sim else None)
             metrics.write(f"step {step}: checkpoint {path}")
-        if stopping:
-            if run.stop.signal:
-                metrics.write(f"stopping at step {step}: {run.stop.signal}; continue with --resume")
-            else:  # the budget carries over on resume, so only a larger one trains further
-                metrics.write(f"stopping at step {step}: train.max_minutes={cfg.train.max_minutes} spent; continue "
-                              f"with --resume and a larger train.max_minutes (the time spent carries over)")
+        if stopping or (last and budget.steps is not None and step < s.total_steps):
+            metrics.write(_stop_message(step, cfg, p.stop.signal))
             break
-    run.stop.deferring = False
+    p.stop.deferring = False
     metrics.close()
     return last_sim
+
+
+def _end(s: Setup, budget: TimeBudget) -> int:
+    """The last step: a time budget's recorded decision, else the configured total."""
+    return budget.steps if budget.steps is not None else s.total_steps
+
+
+def _stop_message(step: int, cfg: RunConfig, signal_name: str | None) -> str:
+    if signal_name:
+        return f"stopping at step {step}: {signal_name}; continue with --resume"
+    # the budget carries over on resume, so only a larger one trains further
+    return (f"stopping at step {step}: train.max_minutes={cfg.train.max_minutes} spent; continue with --resume and "
+            f"a larger train.max_minutes (the time spent carries over)")
+
+
+def _bytes_per_sequence(mbs: list[MicroBatch]) -> float:
+    """Bytes from the target per sequence (every tensor of the bundle)."""
+    sent = sum(t.numel() * t.element_size() for mb in mbs for t in mb.from_target.values())
+    return sent / sum(mb.input_ids.shape[0] for mb in mbs)
 
 
 def _log_step(metrics: MetricsLog, record: dict) -> None:
@@ -342,26 +314,16 @@ def _log_step(metrics: MetricsLog, record: dict) -> None:
 
 
 def _eval_prompt_sets(cfg: RunConfig) -> dict:
-    if cfg.eval.prompts:
-        from dflash_train.data.conversations import read_conversations
-
-        conversations, _ = read_conversations(cfg.eval.prompts)
-        return {"prompts": [c.messages for c in conversations[: cfg.eval.num_prompts]]}
-    from dflash_train.data.corpus import default_eval_prompts
-
-    return {name: prompts[: cfg.eval.num_prompts] for name, prompts in default_eval_prompts().items()}
+    return load_prompt_sets(cfg.eval.prompts, cfg.eval.num_prompts)
 
 
 def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log) -> dict:
     """Real speculative decoding of the exported drafter against the target, on held-out prompts."""
-    from dflash_train.eval.evaluate import evaluate
-    from dflash_train.eval.report import lossless_note
-
     drafter = load_zlab(drafter_dir, device=target.device, dtype=target.dtype)
-    target.eager_layers()  # decoding shapes change every step
-    report = evaluate(drafter, target, _eval_prompt_sets(cfg), max_new_tokens=cfg.eval.max_new_tokens,
-                      temperature=cfg.eval.temperature, thinking=cfg.data.thinking, seed=cfg.train.seed,
-                      out_dir=out_dir / "eval")
+    with torch.compiler.set_stance("force_eager"):  # decoding shapes change every step: no compiled layers
+        report = evaluate(drafter, target, _eval_prompt_sets(cfg), max_new_tokens=cfg.eval.max_new_tokens,
+                          temperature=cfg.eval.temperature, thinking=cfg.data.thinking, seed=cfg.train.seed,
+                          out_dir=out_dir / "eval")
     for name, figures in report["sets"].items():
         log(f"eval [{name}]: tau {figures['tau']:.3f}, speedup {figures['speedup']:.2f}x, "
             f"{figures['identical_outputs']}/{figures['num_prompts']} outputs identical to plain greedy")
@@ -376,14 +338,13 @@ def simulated_tau(drafter, eval_mbs, ctx: StepContext) -> dict:
     SDPA path, the eager loss and the full vocabulary (eval shapes differ from training shapes;
     no recompiles of the training graphs)."""
     eval_ctx = dataclasses.replace(ctx, backend="sdpa", num_drafters=1, compile_loss=False, train_vocab=None,
-                                   train_lm_head=None)
+                                   train_lm_head=None, persistent_masks=None)
     total = None
     drafter.eval()
     with torch.no_grad():
         for mb in eval_mbs:
-            batch = to_device(mb, ctx.device)
-            s = forward_stats(drafter, batch, eval_ctx)
-            total = s if total is None else LossStats(**{k: getattr(total, k) + v for k, v in vars(s).items()})
+            stats = forward_stats(drafter, to_device(mb, ctx.device), eval_ctx)
+            total = stats if total is None else total + stats
     drafter.train()
     return summarize(total) if total is not None else {"sim_tau": float("nan"), "acc": []}
 
@@ -411,61 +372,19 @@ def _agree(flag: bool, ctx: StepContext, step: int) -> bool:
     return bool(t.item())
 
 
-def _trainer_state(state: dict, optimizer, scheduler, source) -> dict:
-    return {"train": dict(state), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-            "data": source.state_dict(), "rng": rng_state()}
+def _agree_min(value: int, ctx: StepContext) -> int:
+    """The smallest of the drafter ranks' values (one all-reduce; every rank calls it at the same step)."""
+    if ctx.num_drafters == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=ctx.dp_group)
+    return int(t.item())
 
 
-def _resume_point(cfg: RunConfig, topo, checkpointer: Checkpointer):
-    """(path, trainer_state) of the latest checkpoint if resuming, read on the main drafter rank and
-    shared with every rank (targets need the data cursor; no shared filesystem is assumed)."""
-    payload = [None]
-    if cfg.train.resume and (topo.is_main or not topo.distributed):
-        path = checkpointer.latest()
-        if path is None:
-            print(f"resume: no checkpoint under {checkpointer.root}; starting fresh", flush=True)
-        else:
-            payload = [(str(path), torch.load(path / "trainer.pt", map_location="cpu", weights_only=True))]
-    if topo.distributed:
-        dist.broadcast_object_list(payload, src=topo.drafter_ranks[0])
-    return payload[0]
-
-
-def _restore(resume, drafter, optimizer, scheduler, source) -> dict:
-    path, trainer = resume
-    loaded, _, _ = Checkpointer.load(path, device=next(drafter.parameters()).device)
-    with full_precision_weights(optimizer):  # bf16 weights: the float32 checkpoint loads into the masters
-        drafter.load_state_dict(loaded.state_dict())
-    optimizer.load_state_dict(trainer["optimizer"])
-    scheduler.load_state_dict(trainer["scheduler"])
-    if isinstance(source, RemoteSource):
-        source.load_state_dict(trainer["data"], steps_done=trainer["train"]["step"])
-    else:
-        source.load_state_dict(trainer["data"])
-    set_rng_state(trainer["rng"])
-    return dict(trainer["train"])
-
-
-def _send_eval_taps(target, layer_ids, eval_mbs, topo, device) -> None:
-    if topo.rank != topo.target_ranks[0]:
-        return
-    for mb in eval_mbs:
-        dist.send(compute_taps(target, layer_ids, mb, device), dst=topo.drafter_ranks[0])
-
-
-def _recv_eval_taps(eval_mbs, topo, width, dtype, device) -> None:
-    if not topo.is_main:
-        eval_mbs.clear()
-        return
-    for mb in eval_mbs:
-        mb.taps = torch.empty(*mb.input_ids.shape, width, dtype=dtype, device=device)
-        dist.recv(mb.taps, src=topo.target_ranks[0])
-
-
-def _export(checkpoint: Path, out_dir: Path, log) -> Path:
-    """The serving artefact: the chosen checkpoint's drafter in bf16, z-lab format."""
+def _export(checkpoint: Path, out_dir: Path, log, target_cfg) -> Path:
+    """The serving artefact: the chosen checkpoint's drafter in bf16, z-lab format, checked."""
     drafter = load_zlab(checkpoint / "drafter", device="cpu")  # weights only: no optimizer state read
-    path = save_zlab(drafter, out_dir / "drafter", dtype=torch.bfloat16)
+    path = export_drafter(drafter, out_dir / "drafter", target_cfg.model, target_cfg.gguf_file, log=log)
     log(f"exported z-lab drafter {path} (from {checkpoint.name})")
     return path
 

@@ -23,6 +23,7 @@ class MetricsLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._truncate_after(start_step)
         if tensorboard:
+            # optional dependency (the tensorboard package), imported only when asked for
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(str(Path(out_dir) / "tensorboard"), purge_step=start_step + 1)
@@ -57,6 +58,13 @@ class MetricsLog:
         """Print above the bar (flushed) so messages and the bar do not tangle."""
         if self.enabled:
             tqdm.write(line)
+
+    def above_bar(self, log):
+        """A logger for messages that come while the bar is shown (compile health): on the rank that
+        shows the bar they print above it, not into its line; elsewhere `log` prints them."""
+        if self.bar is None:
+            return log
+        return lambda message: tqdm.write(str(message))
 
     def close(self) -> None:
         if self.bar is not None:

@@ -1,8 +1,8 @@
 """AdamW with linear warm-up and cosine decay (paper: lr 6e-4, warm-up 4%, clip 1.0).
 
-With a wall-clock budget (`train.max_minutes`) the cosine follows whichever runs out first, the
-steps or the time, so a budgeted run always ends at the bottom of its schedule however fast the
-machine is (a CPU shared with other jobs can run at half speed for minutes).
+The lr is a pure function of the step and of recorded numbers, so every run can be replayed:
+without a time budget the cosine runs over `total_steps`; with one (`train.max_minutes`) it runs
+over the step count the budget was measured to allow (`TimeBudget`, a recorded decision).
 """
 
 from __future__ import annotations
@@ -15,47 +15,84 @@ import torch
 
 from dflash_train.config import OptimConfig
 
+DECIDE_AFTER = 5  # a time budget measures steps 2..5 (step 1 compiles), then decides the step count
+
 
 class TimeBudget:
-    """Fraction of a wall-clock budget spent; always 0 without a budget. A resumed run starts
-    with the seconds its checkpoint had already spent, so the budget (and the lr that follows
-    it) continues instead of starting over."""
+    """A wall-clock budget turned into a recorded step count. Stateful.
 
-    def __init__(self, minutes: float | None):
+    The rule: a run with `max_minutes` trains its first DECIDE_AFTER steps (from the start or the
+    resume point) on the configured schedule, measures the seconds per step over all but the
+    first of them, and then decides `steps` = the steps done + the steps the remaining budget
+    allows at that rate (never more than `total_steps`; all drafter ranks take the smallest).
+    The decision is recorded in the checkpoint; from then on the cosine's length is `steps`, so
+    the lr is a pure function of the step and that number. A resume with the same budget keeps
+    the decision; one with another budget decides again. The clock still rules the end: the run
+    stops when the budget is spent even if the machine slowed down, and the seconds spent carry
+    over on resume (so only a larger budget trains further)."""
+
+    def __init__(self, minutes: float | None, total_steps: int, decide_after: int = DECIDE_AFTER):
         self.seconds = 60.0 * minutes if minutes else None
+        self.total_steps, self.decide_after = total_steps, decide_after
+        self.steps: int | None = None  # the recorded decision
         self.t0 = time.perf_counter()
+        self.start_step, self.measure_from = 0, None
 
-    def start(self, already_spent_s: float = 0.0) -> None:
+    def start(self, step: int, already_spent_s: float = 0.0) -> None:
+        """The loop begins at `step` with `already_spent_s` of the budget gone (a resume)."""
         self.t0 = time.perf_counter() - already_spent_s
+        self.start_step, self.measure_from = step, None
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.t0
 
-    def fraction(self) -> float:
-        return self.elapsed() / self.seconds if self.seconds else 0.0
-
     def spent(self) -> bool:
         return self.seconds is not None and self.elapsed() > self.seconds
 
+    def propose(self, step: int) -> int | None:
+        """Call after every step; at the decision step, the step count the budget allows (to be
+        agreed between ranks and passed to `record`), else None."""
+        if self.seconds is None or self.steps is not None:
+            return None
+        if step == self.start_step + 1:
+            self.measure_from = self.elapsed()
+        if step != self.start_step + self.decide_after or self.measure_from is None:
+            return None
+        per_step = (self.elapsed() - self.measure_from) / (self.decide_after - 1)
+        fits = math.floor(max(0.0, self.seconds - self.elapsed()) / max(per_step, 1e-9))
+        return min(self.total_steps, step + fits)
 
-def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_ratio: float, time_fraction: float = 0.0
+    def record(self, steps: int) -> None:
+        self.steps = steps
+
+    def state_dict(self) -> dict:
+        return {"steps": self.steps, "budget_s": self.seconds}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps = state["steps"] if state.get("budget_s") == self.seconds else None
+
+
+def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_ratio: float, steps: int | None = None
               ) -> float:
-    """Multiplier of the peak lr at `step` (0-based): linear warm-up, then cosine to min_ratio; the
-    cosine's progress is the larger of the step fraction and `time_fraction` (of a time budget)."""
+    """Multiplier of the peak lr at `step` (0-based): linear warm-up over warmup_ratio of
+    `total_steps`, then cosine to min_ratio, ending at `steps` (a time budget's decision) or at
+    `total_steps`."""
     warmup = max(1, round(warmup_ratio * total_steps))
     if step < warmup:
         return (step + 1) / warmup
-    progress = min(1.0, max((step - warmup) / max(1, total_steps - warmup), time_fraction))
+    end = steps if steps is not None else total_steps
+    progress = min(1.0, max(0.0, (step - warmup) / max(1, end - warmup)))
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def build_optimizer(params, cfg: OptimConfig, total_steps: int, budget: TimeBudget | None = None,
                     master_weights: bool | None = None):
     """AdamW over the trainable parameters and its LambdaLR schedule (both resumable; with a
-    `budget`, the lr also decays with the time spent, read when the scheduler steps).
-    Which AdamW follows from the parameters' device: on CUDA MasterWeightAdamW (bf16 parameters,
-    float32 masters, compiled update) when `master_weights` (default: `cfg.master_weights`), else
-    torch's fused AdamW; on the CPU torch's AdamW over float32 parameters."""
+    `budget`, the cosine ends at its recorded decision once made).
+    Which AdamW follows from the parameters' device: on CUDA MasterWeightAdamW (float32 masters,
+    compiled update; `parallel.parallelize` then casts the module to its `param_dtype`) when
+    `master_weights` (default: `cfg.master_weights`), else torch's fused AdamW; on the CPU torch's
+    AdamW over float32 parameters."""
     params = [p for p in params if p.requires_grad]
     cuda = params[0].device.type == "cuda"
     if master_weights if master_weights is not None else cuda and cfg.master_weights:
@@ -66,8 +103,13 @@ def build_optimizer(params, cfg: OptimConfig, total_steps: int, budget: TimeBudg
                                       **({"fused": True} if cuda else {}))
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, cfg.warmup_ratio, cfg.min_lr_ratio,
-                                          budget.fraction() if budget else 0.0))
+                                          budget.steps if budget else None))
     return optimizer, scheduler
+
+
+def param_dtype(optimizer) -> torch.dtype | None:
+    """The dtype the module's parameters must have for this optimizer (None: leave them)."""
+    return optimizer.param_dtype if isinstance(optimizer, MasterWeightAdamW) else None
 
 
 class MasterWeightAdamW(torch.optim.Optimizer):
@@ -84,19 +126,20 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     training follows float32 weights whose forward runs in bf16, as under autocast. What differs:
     gradients accumulate over micro-batches (and DDP reduces them) in bf16.
     `grad_scale` (a device tensor, set by `step.clip_and_step`) divides every gradient, as in the
-    fused AdamW. Build it on the float32 module: the masters are copied before the cast to bf16.
+    fused AdamW. Build it on the float32 module (the masters are copied from it); the module is
+    then cast to `param_dtype` by `parallel.parallelize`, the one place that sets its dtype.
     """
 
     def __init__(self, params, lr: float, betas: tuple[float, float], weight_decay: float, eps: float = 1e-8,
                  param_dtype: torch.dtype = torch.bfloat16, compiled: bool = False):
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay, eps=eps))
+        self.param_dtype = param_dtype
         self.grad_scale: torch.Tensor | None = None
         self._update = torch.compile(_adamw_update, fullgraph=True, dynamic=False) if compiled else _adamw_update
         for p in self._params():
             self.state[p].update(step=torch.tensor(0.0), master=p.detach().float().clone(),
                                  exp_avg=torch.zeros_like(p, dtype=torch.float32),
                                  exp_avg_sq=torch.zeros_like(p, dtype=torch.float32))
-            p.data = p.data.to(param_dtype)
 
     def _params(self):
         return [p for group in self.param_groups for p in group["params"]]

@@ -6,6 +6,7 @@ with no hidden state.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -13,15 +14,40 @@ import torch.distributed as dist
 
 from dflash_train.config import RunConfig, derived_gamma
 from dflash_train.data.anchors import all_anchors
+from dflash_train.data.dataset import load_samples, prepare_samples, split_held_out
+from dflash_train.data.dataset import prepare_tapped as prepare_tapped_samples
+from dflash_train.data.shards import ShardReader
 from dflash_train.model.config import DrafterConfig, drafter_config_from_target
 from dflash_train.model.drafter import DFlashDrafter
+from dflash_train.model.target import resolve_mask_token_id
 from dflash_train.train.batching import MicroBatch, Sample, padded_length
+from dflash_train.train.taps import FINAL_HIDDEN, StoredRows, TapsSpec
 from dflash_train.train.topology import Topology
+from dflash_train.train.vocab import vocab_subset
+
+
+@dataclass(frozen=True)
+class Data:
+    """The run's samples; `stored` holds (train, held-out) per-sample target tensors when the data
+    came with them (regenerate + tap, or offline shards), else None."""
+
+    train: list[Sample]
+    held_out: list[Sample]
+    stored: tuple[StoredRows, StoredRows] | None = None
+
+
+def load_data(cfg: RunConfig, topo: Topology, target, layer_ids, spec: TapsSpec, work_dir: Path, log,
+              heartbeat=None) -> Data:
+    """Samples from shards (offline), from a regenerate + tap pass (one colocated process), or
+    tokenized conversations (prepared once by the main drafter rank)."""
+    if topo.reads_shards:
+        return samples_from_shards(cfg, layer_ids, spec, log)
+    if taps_from_regeneration(cfg, topo):
+        return prepare_tapped(cfg, target, layer_ids, spec, work_dir, log, heartbeat)
+    return Data(*load_or_build_samples(cfg, target, topo, work_dir, log, heartbeat=heartbeat))
 
 
 def build_drafter_config(cfg: RunConfig, target) -> DrafterConfig:
-    from dflash_train.model.target import resolve_mask_token_id
-
     mask_id = resolve_mask_token_id(target.tokenizer, target.vocab_size, cfg.drafter.mask_token_id)
     dcfg = drafter_config_from_target(target.config, num_layers=cfg.drafter.num_layers,
                                       block_size=cfg.drafter.block_size, mask_token_id=mask_id,
@@ -41,14 +67,19 @@ def init_drafter(dcfg: DrafterConfig, target, seed: int, from_target: bool, devi
     - fc starts as the identity on the deepest tap and hidden_norm as the first copied layer's
       input norm, so the injected context starts as that layer's own normalised input, which its
       copied k_proj/v_proj were trained on.
-    `norm_scale` then multiplies the final norm weight: the initial logit scale."""
-    drafter = DFlashDrafter(dcfg)
-    drafter.reset_parameters(generator=torch.Generator().manual_seed(seed))
+    `norm_scale` then multiplies the final norm weight: the initial logit scale.
+    Built on the meta device and materialised on `device` (float32): no default init on the CPU
+    and no copy over (13.7 s for a Qwen3-8B-sized drafter when built on the CPU); the random
+    values still come from a seeded CPU generator, so they are the same on every device."""
+    with torch.device("meta"):
+        drafter = DFlashDrafter(dcfg)
+    drafter = drafter.to_empty(device=device).float()
+    drafter.reset_parameters(generator=torch.Generator().manual_seed(seed))  # sets every parameter
     if from_target:
         _copy_from_target(drafter, target)
     with torch.no_grad():
         drafter.norm.weight.mul_(norm_scale)
-    return drafter.to(device=device, dtype=torch.float32)
+    return drafter
 
 
 def _copy_from_target(drafter: DFlashDrafter, target) -> None:
@@ -68,13 +99,18 @@ def _copy_from_target(drafter: DFlashDrafter, target) -> None:
             for name, param in ours.state_dict().items():
                 src = theirs_state.get(name)
                 if src is not None and src.shape == param.shape:
-                    param.copy_(src.float())
+                    param.copy_(_dense(src).float())
+
+
+def _dense(weight: torch.Tensor) -> torch.Tensor:
+    """A plain tensor of a target weight: an FP8 target's (target.precision=fp8) quantized
+    weights are torchao tensor subclasses, dequantized here (the copy starts from their rounding)."""
+    dequantize = getattr(weight, "dequantize", None)
+    return dequantize() if callable(dequantize) and type(weight) is not torch.Tensor else weight
 
 
 def load_or_build_samples(cfg: RunConfig, target, topo: Topology, work_dir: Path, log, heartbeat=None):
     """The main drafter rank prepares (and caches) the samples; every other rank waits, then reads."""
-    from dflash_train.data.dataset import load_samples, prepare_samples
-
     path = None
     if topo.is_main or not topo.distributed:
         path = prepare_samples(cfg.data, target, cfg.target.model, work_dir, cfg.train.seed, log, heartbeat)
@@ -87,57 +123,37 @@ def load_or_build_samples(cfg: RunConfig, target, topo: Topology, work_dir: Path
 
 def taps_from_regeneration(cfg: RunConfig, topo: Topology) -> bool:
     """Regenerate + tap in one pass: single-process colocated runs that regenerate their data."""
-    return cfg.data.regenerate and cfg.data.tap_during_regeneration and topo.mode == "colocated" \
+    return cfg.data.regenerate and cfg.data.tap_during_regeneration and topo.target_in_process \
         and not topo.distributed
 
 
-def prepare_tapped(cfg: RunConfig, target, layer_ids, work_dir: Path, log, heartbeat=None):
-    from dflash_train.data.dataset import prepare_tapped as prepare
-
-    return prepare(cfg.data, target, cfg.target.model, layer_ids, work_dir, cfg.train.seed, log, heartbeat)
-
-
-class ShardTaps:
-    """Taps of selected shard rows, read from disk when a step needs them (shards can be TBs)."""
-
-    def __init__(self, reader, rows: list[int]):
-        self.reader, self.rows = reader, rows
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.reader.sample(self.rows[i])["taps"]
-
-    def __iter__(self):
-        return (self[i] for i in range(len(self.rows)))
+def prepare_tapped(cfg: RunConfig, target, layer_ids, spec: TapsSpec, work_dir: Path, log, heartbeat=None) -> Data:
+    (train, train_rows), (held_out, held_out_rows) = prepare_tapped_samples(
+        cfg.data, target, cfg.target.model, layer_ids, work_dir, cfg.train.seed, log, heartbeat,
+        final_hidden=FINAL_HIDDEN in spec.names)
+    return Data(train, held_out, (StoredRows.in_memory(train_rows, spec.names),
+                                  StoredRows.in_memory(held_out_rows, spec.names)))
 
 
-def samples_from_shards(cfg: RunConfig, layer_ids: list[int], log):
+def samples_from_shards(cfg: RunConfig, layer_ids: list[int], spec: TapsSpec, log) -> Data:
     """Offline mode: samples from `dflash-train prepare` shards, split by id hash; taps stay on disk."""
-    from dflash_train.data.dataset import _is_heldout
-    from dflash_train.data.shards import ShardReader
-
     reader = ShardReader(cfg.data.shards, seed=cfg.train.seed, dtype=torch.float32)
+    missing = [name for name in spec.names if name not in reader.entries]
+    if missing:
+        raise ValueError(f"data.shards {cfg.data.shards} lack {missing}: loss.kind={cfg.loss.kind} needs the "
+                         "target's final hidden state; re-run `dflash-train prepare` with this loss.kind "
+                         "into a new --out directory")
     if reader.layer_ids != list(layer_ids):
         raise ValueError(f"data.shards {cfg.data.shards}: tapped layers {reader.layer_ids} differ from the "
                          f"drafter's target_layer_ids {list(layer_ids)}; set target.layer_ids to match")
-    split = {"train": ([], []), "held_out": ([], [])}
+    samples = []
     for i in range(len(reader)):
         row = reader.tokens(i)  # ids and masks only: the taps stay on disk until a step reads them
-        sample = Sample(row["id"], tuple(row["input_ids"].tolist()), tuple(row["loss_mask"].tolist()))
-        part = split["held_out" if _is_heldout(sample.id, cfg.data.eval_fraction) else "train"]
-        part[0].append(sample)
-        part[1].append(i)
-    log(f"data: {len(split['train'][0])} train / {len(split['held_out'][0])} held-out samples from shards "
-        f"{cfg.data.shards}")
-    return ((split["train"][0], ShardTaps(reader, split["train"][1])),
-            (split["held_out"][0], ShardTaps(reader, split["held_out"][1])))
-
-
-def fill_eval_taps(eval_mbs: list[MicroBatch], taps: list[torch.Tensor], dtype: torch.dtype) -> None:
-    """Held-out micro-batches (one sample each, in order) get their stored taps, zero-padded."""
-    for mb, row in zip(eval_mbs, taps):
-        mb.taps = torch.zeros(*mb.input_ids.shape, row.shape[-1], dtype=dtype)
-        n = min(row.shape[0], mb.input_ids.shape[1])
-        mb.taps[0, :n] = row[:n].to(dtype)
+        samples.append(Sample(row["id"], tuple(row["input_ids"].tolist()), tuple(row["loss_mask"].tolist())))
+    (train, train_rows), (held_out, held_out_rows) = split_held_out(samples, cfg.data.eval_fraction)
+    log(f"data: {len(train)} train / {len(held_out)} held-out samples from shards {cfg.data.shards}")
+    return Data(train, held_out, (StoredRows.from_shards(reader, spec.names, train_rows),
+                                  StoredRows.from_shards(reader, spec.names, held_out_rows)))
 
 
 def eval_batches(samples: list[Sample], num_anchors: int, pad_multiple: int, max_len: int,
@@ -161,8 +177,6 @@ def train_vocab_of(cfg: RunConfig, samples: list[Sample], vocab_size: int, log):
     the lowest ids), or None for the full vocabulary."""
     if cfg.loss.train_vocab is None:
         return None
-    from dflash_train.train.vocab import vocab_subset
-
     vocab = vocab_subset((s.input_ids for s in samples), vocab_size, cfg.loss.train_vocab)
     log(f"loss: training softmax over {vocab.ids.numel()} of {vocab_size} tokens (loss.train_vocab); "
         "held-out and real eval use all of them")
@@ -178,17 +192,6 @@ def total_steps_of(cfg: RunConfig, steps_per_epoch: int) -> int:
     return min(by_epochs, cfg.train.max_steps) if cfg.train.max_steps else by_epochs
 
 
-def validate_run(cfg: RunConfig, topo: Topology) -> None:
-    if cfg.loss.kind != "ce":
-        raise ValueError(f"loss.kind={cfg.loss.kind!r}: the training pipeline supports 'ce' so far; the teacher "
-                         "losses exist in train/loss.py (block_loss with teacher_hidden / teacher argmax labels)")
-    if topo.mode == "disaggregated" and cfg.train.max_minutes:
-        raise ValueError("train.max_minutes needs mode=colocated: target ranks must know the step count in "
-                         "advance; set train.max_steps instead")
-    if topo.mode == "offline" and not cfg.data.shards:
-        raise ValueError("topology.mode=offline needs data.shards=DIR (written by `dflash-train prepare`)")
-
-
 def describe(cfg: RunConfig, dcfg: DrafterConfig, topo: Topology, n_train: int, n_eval: int, total: int,
              accum: int, backend: str, compiled: bool, taps_bytes_per_token: int) -> str:
     lines = [
@@ -202,6 +205,8 @@ def describe(cfg: RunConfig, dcfg: DrafterConfig, topo: Topology, n_train: int, 
         f"{topo.num_drafters} drafter rank(s); {cfg.train.num_anchors} anchors/seq (<= eligible positions)",
         f"schedule    {total} steps, lr {cfg.optim.lr} cosine, warm-up {cfg.optim.warmup_ratio:.0%}, clip "
         f"{cfg.optim.grad_clip}, gamma {gamma_of(cfg)}",
-        f"kernels     attention={backend}, compile={'on' if compiled else 'off'}",
+        f"kernels     attention={backend}, compile={'on' if compiled else 'off'}, precision drafter "
+        f"{cfg.train.precision}{f' ({cfg.train.fp8_recipe})' if cfg.train.precision == 'fp8' else ''}, "
+        f"target {cfg.target.precision}",
     ]
     return "\n".join(lines)

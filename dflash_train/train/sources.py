@@ -1,27 +1,45 @@
-"""Where a drafter rank's taps come from, and the target ranks' side of the pipeline.
+"""Where a drafter rank's taps come from (`TapsSource`), and the target ranks' side (`TargetServer`).
 
   ColocatedSource   runs the target in this process, right before the drafter step
+  StoredSource      looks the taps up per sample (regenerate+tap cache in memory, or offline shards)
   RemoteSource      receives taps from target ranks by torch.distributed point-to-point; it posts
                     the receives of the next `prefetch` steps ahead so transfers overlap compute
-  serve_taps        the loop of a target rank: compute taps, send them, at most `max_in_flight`
-                    unacknowledged sends at a time (back-pressure)
+  TargetServer      a target rank: compute taps, send them, at most `max_in_flight` unacknowledged
+                    sends at a time (back-pressure)
 
-All three walk the same `StepSampler`, so they agree on every micro-batch without messages.
-Only the taps travel; the drafter rebuilds ids, masks and anchors from its own copy of the data.
+All walk the same `StepSampler`, so they agree on every micro-batch without messages. What
+travels is the named bundle of `taps.TapsSpec`; the drafter rebuilds ids, masks and anchors from
+its own copy of the data. `build_source` is the one place that picks the route.
 """
 
 from __future__ import annotations
 
 import collections
 import time
+from dataclasses import dataclass
+from typing import Protocol
 
-import torch
 import torch.distributed as dist
 
 from dflash_train.train.balance import ComputeTimer
 from dflash_train.train.batching import BatchPlan, MicroBatch, Sample, StepSampler, collate
-from dflash_train.train.step import host_to_device
+from dflash_train.train.taps import StoredRows, TapsSpec, target_tensors
 from dflash_train.train.topology import Topology
+
+
+class TapsSource(Protocol):
+    """A drafter rank's micro-batches with the target's tensors filled in; Stateful (its data
+    cursor, from which the steps already taken follow)."""
+
+    def next_step(self) -> tuple[int, list[MicroBatch]]: ...
+
+    def held_out(self) -> list[MicroBatch]:
+        """The held-out micro-batches with their tensors (empty on ranks that do not evaluate).
+        Called once, before the first step."""
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 class CollateArgs:
@@ -32,94 +50,100 @@ class CollateArgs:
         return collate(samples, epoch, self.seed, self.num_anchors, self.pad_multiple, self.max_len)
 
 
-def compute_taps(target, layer_ids, mb: MicroBatch, device) -> torch.Tensor:
-    """Taps [b, S, K*H] of one micro-batch, contiguous, in the target's dtype."""
-    with torch.no_grad():
-        taps = target.taps(host_to_device(mb.input_ids, device), host_to_device(mb.attention_mask, device), layer_ids)
-    return taps.contiguous()
+@dataclass(frozen=True)
+class Feed:
+    """What every source walks: the samples, the sampler's plan and how micro-batches are built."""
+
+    samples: list[Sample]
+    plan: BatchPlan
+    collate: CollateArgs
+    held_out: list[MicroBatch]  # one sample each, deterministic anchors (simulated tau)
+    spec: TapsSpec
+    seed: int
+
+    def sampler(self) -> StepSampler:
+        """A fresh cursor at step 0; every rank's walks the same steps."""
+        return StepSampler(len(self.samples), self.plan.seqs_per_step, self.seed)
 
 
-class ColocatedSource:
-    def __init__(self, samples, sampler: StepSampler, plan: BatchPlan, drafter_index: int, collate_fn,
-                 target, layer_ids, device):
-        self.samples, self.sampler, self.plan, self.index = samples, sampler, plan, drafter_index
-        self.collate, self.target, self.layer_ids, self.device = collate_fn, target, layer_ids, device
-        self.target_seconds = 0.0
+class SampledSource:
+    """The sampler cursor every source shares: micro-batches of this drafter rank, state_dict."""
+
+    def __init__(self, feed: Feed, drafter_index: int):
+        self.feed, self.sampler, self.index = feed, feed.sampler(), drafter_index
+
+    def _draw(self) -> tuple[int, list[list[int]], list[MicroBatch]]:
+        epoch, indices = self.sampler.next()
+        groups = self.feed.plan.for_drafter(indices, self.index)
+        return epoch, groups, [self.feed.collate([self.feed.samples[i] for i in g], epoch) for g in groups]
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+
+
+class ColocatedSource(SampledSource):
+    def __init__(self, feed: Feed, drafter_index: int, target, layer_ids, device):
+        super().__init__(feed, drafter_index)
+        self.target, self.layer_ids, self.device = target, layer_ids, device
 
     def next_step(self) -> tuple[int, list[MicroBatch]]:
-        epoch, indices = self.sampler.next()
-        mbs = [self.collate([self.samples[i] for i in mb], epoch) for mb in self.plan.for_drafter(indices, self.index)]
-        start = time.perf_counter()
+        epoch, _, mbs = self._draw()
         for mb in mbs:
-            mb.taps = compute_taps(self.target, self.layer_ids, mb, self.device)
-        self.target_seconds += time.perf_counter() - start
+            mb.from_target = target_tensors(self.target, self.layer_ids, mb, self.device, self.feed.spec)
         return epoch, mbs
 
-    def state_dict(self) -> dict:
-        return self.sampler.state_dict()
+    def held_out(self) -> list[MicroBatch]:
+        for mb in self.feed.held_out:
+            mb.from_target = target_tensors(self.target, self.layer_ids, mb, self.device, self.feed.spec)
+        return self.feed.held_out
 
-    def load_state_dict(self, state: dict) -> None:
-        self.sampler.load_state_dict(state)
 
+class StoredSource(SampledSource):
+    """Stored rows padded to the micro-batch length; no target forward during training."""
 
-class StoredTapsSource:
-    """Taps looked up per sample (in memory from regenerate+tap, or from offline shards), padded to
-    the micro-batch length; no target forward during training."""
-
-    def __init__(self, samples, sampler: StepSampler, plan: BatchPlan, drafter_index: int, collate_fn, taps_of,
-                 dtype: torch.dtype):
-        self.samples, self.sampler, self.plan, self.index = samples, sampler, plan, drafter_index
-        self.collate, self.taps_of, self.dtype = collate_fn, taps_of, dtype
+    def __init__(self, feed: Feed, drafter_index: int, rows: StoredRows, held_out_rows: StoredRows):
+        super().__init__(feed, drafter_index)
+        self.rows, self.held_out_rows = rows, held_out_rows
 
     def next_step(self) -> tuple[int, list[MicroBatch]]:
-        epoch, indices = self.sampler.next()
-        mbs = []
-        for mb_indices in self.plan.for_drafter(indices, self.index):
-            mb = self.collate([self.samples[i] for i in mb_indices], epoch)
-            b, seq_len = mb.input_ids.shape
-            rows = [self.taps_of(i) for i in mb_indices]
-            mb.taps = torch.zeros(b, seq_len, rows[0].shape[-1], dtype=self.dtype)  # [b, S, K*H]
-            for r, taps in enumerate(rows):
-                n = min(seq_len, taps.shape[0])
-                mb.taps[r, :n] = taps[:n].to(self.dtype)
-            mbs.append(mb)
+        epoch, groups, mbs = self._draw()
+        for mb, group in zip(mbs, groups):
+            mb.from_target = self.feed.spec.padded([self.rows[i] for i in group], mb.input_ids.shape[1])
         return epoch, mbs
 
-    def state_dict(self) -> dict:
-        return self.sampler.state_dict()
+    def held_out(self) -> list[MicroBatch]:
+        for i, mb in enumerate(self.feed.held_out):  # in order: held-out micro-batch i is held-out sample i
+            mb.from_target = self.feed.spec.padded([self.held_out_rows[i]], mb.input_ids.shape[1])
+        return self.feed.held_out
 
-    def load_state_dict(self, state: dict) -> None:
-        self.sampler.load_state_dict(state)
 
-
-class RemoteSource:
+class RemoteSource(SampledSource):
     """Drafter side of the disaggregated pipeline."""
 
-    def __init__(self, samples, sampler: StepSampler, plan: BatchPlan, topo: Topology, collate_fn,
-                 taps_width: int, dtype: torch.dtype, device, steps_left: int, prefetch: int = 1):
-        self.samples, self.sampler, self.plan, self.topo = samples, sampler, plan, topo
-        self.collate, self.taps_width, self.dtype, self.device = collate_fn, taps_width, dtype, device
-        self.prefetch, self.steps_left = prefetch, steps_left  # never post a receive no target will send
+    def __init__(self, feed: Feed, topo: Topology, device, total_steps: int, prefetch: int = 1):
+        super().__init__(feed, topo.drafter_index)
+        self.topo, self.device, self.prefetch, self.total_steps = topo, device, prefetch, total_steps
         self.pending = collections.deque()  # (epoch, mbs, works, sampler state after the step)
-        self.consumed_state = sampler.state_dict()
+        self.consumed_state = self.sampler.state_dict()
+        self.posted = 0  # never post a receive no target will send
         self.wait_seconds = 0.0
 
     def _post_next(self) -> None:
-        epoch, indices = self.sampler.next()
-        d = self.topo.drafter_index
-        mbs, works = [], []
-        for m, mb_indices in enumerate(self.plan.for_drafter(indices, d)):
-            mb = self.collate([self.samples[i] for i in mb_indices], epoch)
-            mb.taps = torch.empty(*mb.input_ids.shape, self.taps_width, dtype=self.dtype, device=self.device)
-            source = self.topo.target_ranks[(d * self.plan.accum + m) % len(self.topo.target_ranks)]
-            works.append(dist.irecv(mb.taps, src=source))
-            mbs.append(mb)
+        epoch, _, mbs = self._draw()
+        works = []
+        for m, mb in enumerate(mbs):
+            mb.from_target = self.feed.spec.empty(*mb.input_ids.shape, self.device)
+            source = self.topo.target_ranks[(self.index * self.feed.plan.accum + m) % len(self.topo.target_ranks)]
+            works += [dist.irecv(t, src=source) for t in mb.from_target.values()]
         self.pending.append((epoch, mbs, works, self.sampler.state_dict()))
+        self.posted += 1
 
     def next_step(self) -> tuple[int, list[MicroBatch]]:
-        while len(self.pending) < self.prefetch + 1 and self.steps_left > 0:
+        while len(self.pending) < self.prefetch + 1 and self.posted < self.total_steps:
             self._post_next()
-            self.steps_left -= 1
         epoch, mbs, works, state_after = self.pending.popleft()
         start = time.perf_counter()
         for work in works:
@@ -128,53 +152,86 @@ class RemoteSource:
         self.consumed_state = state_after
         return epoch, mbs
 
+    def held_out(self) -> list[MicroBatch]:
+        """The first target rank sends the held-out tensors to the main drafter rank, once."""
+        if not self.topo.is_main:
+            return []
+        for mb in self.feed.held_out:
+            mb.from_target = self.feed.spec.empty(*mb.input_ids.shape, self.device)
+            for t in mb.from_target.values():
+                dist.recv(t, src=self.topo.target_ranks[0])
+        return self.feed.held_out
+
     def state_dict(self) -> dict:
         return self.consumed_state
 
-    def load_state_dict(self, state: dict, steps_done: int = 0) -> None:
+    def load_state_dict(self, state: dict) -> None:
         if self.pending:
             raise RuntimeError("load_state_dict after receives were posted")
-        self.sampler.load_state_dict(state)
+        super().load_state_dict(state)
         self.consumed_state = state
-        self.steps_left -= steps_done
+        self.posted = self.sampler.steps_done
 
 
-def serve_taps(target, layer_ids, samples, sampler: StepSampler, plan: BatchPlan, topo: Topology, collate_fn,
-               device, num_steps: int, max_in_flight: int, heartbeat=None, stop_requested=None,
-               on_step=None, timer=None) -> dict:
-    """Target rank loop: for each step, the micro-batches routed here (i % T == this rank)."""
-    pending: collections.deque = collections.deque()
-    me = topo.target_ranks.index(topo.rank)
-    busy = ComputeTimer(device)  # CUDA events: timing must not make the host wait for the GPU
-    wait = 0.0
-    sent_bytes = 0
-    for k in range(num_steps):
-        if stop_requested is not None and stop_requested():
-            break
-        epoch, indices = sampler.next()
-        for i, mb_indices in enumerate(plan.micro_batches(indices)):
-            if i % len(topo.target_ranks) != me:
+def build_source(feed: Feed, topo: Topology, target, layer_ids, device, total_steps: int,
+                 stored: tuple[StoredRows, StoredRows] | None) -> TapsSource:
+    """The taps route of a drafter rank: stored rows when the data came with them, else the
+    target in this process, else the target ranks."""
+    if stored is not None:
+        return StoredSource(feed, topo.drafter_index, *stored)
+    if topo.target_in_process:
+        return ColocatedSource(feed, topo.drafter_index, target, layer_ids, device)
+    return RemoteSource(feed, topo, device, total_steps)
+
+
+class TargetServer:
+    """A target rank: for each step, the micro-batches routed here (i % T == this rank), computed
+    and sent to their drafter rank. The caller's loop calls `serve_step` once per step."""
+
+    def __init__(self, feed: Feed, topo: Topology, target, layer_ids, device, max_in_flight: int):
+        self.feed, self.sampler, self.topo = feed, feed.sampler(), topo
+        self.target, self.layer_ids, self.device, self.max_in_flight = target, layer_ids, device, max_in_flight
+        self.me = topo.target_ranks.index(topo.rank)
+        self.pending: collections.deque = collections.deque()
+        self.busy = ComputeTimer(device)  # CUDA events: timing must not make the host wait for the GPU
+        self.balance = ComputeTimer(device)  # the balance window's share of `busy`
+        self.wait_s, self.sent_bytes = 0.0, 0
+
+    def send_held_out(self) -> None:
+        """The first target rank computes the held-out tensors for the main drafter rank."""
+        if self.topo.rank != self.topo.target_ranks[0]:
+            return
+        for mb in self.feed.held_out:
+            for t in target_tensors(self.target, self.layer_ids, mb, self.device, self.feed.spec).values():
+                dist.send(t, dst=self.topo.drafter_ranks[0])
+
+    def serve_step(self, timed: bool = False) -> None:
+        """Compute and send this rank's micro-batches of the next step; `timed` also counts them
+        in the balance timer."""
+        epoch, indices = self.sampler.next()
+        for i, group in enumerate(self.feed.plan.micro_batches(indices)):
+            if i % len(self.topo.target_ranks) != self.me:
                 continue
-            mb = collate_fn([samples[j] for j in mb_indices], epoch)
-            busy.start()
-            if timer is not None:
-                timer(k + 1, "start", 0)
-            taps = compute_taps(target, layer_ids, mb, device)
-            if timer is not None:
-                timer(k + 1, "stop", len(mb_indices))
-            busy.stop(len(mb_indices))
+            mb = self.feed.collate([self.feed.samples[j] for j in group], epoch)
+            timers = [self.busy, self.balance] if timed else [self.busy]
+            for timer in timers:
+                timer.start()
+            tensors = target_tensors(self.target, self.layer_ids, mb, self.device, self.feed.spec)
+            for timer in reversed(timers):
+                timer.stop(len(group))
             # no stream sync: ProcessGroupNCCL makes its stream wait for this one before the send,
             # so the host goes on to collate and launch the next forward while this one runs
-            pending.append((dist.isend(taps, dst=topo.drafter_ranks[i // plan.accum]), taps))
-            sent_bytes += taps.numel() * taps.element_size()
+            dst = self.topo.drafter_ranks[i // self.feed.plan.accum]
+            for t in tensors.values():
+                self.pending.append((dist.isend(t, dst=dst), t))
+                self.sent_bytes += t.numel() * t.element_size()
             start = time.perf_counter()
-            while len(pending) > max_in_flight:  # back-pressure: the drafters set the pace
-                pending.popleft()[0].wait()
-            wait += time.perf_counter() - start
-        if heartbeat is not None:
-            heartbeat("target: sent step")
-        if on_step is not None:
-            on_step(k + 1)
-    while pending:
-        pending.popleft()[0].wait()
-    return {"busy_s": busy.seconds(), "wait_s": wait, "sent_bytes": sent_bytes}
+            while len(self.pending) > self.max_in_flight * len(tensors):  # back-pressure: drafters set the pace
+                self.pending.popleft()[0].wait()
+            self.wait_s += time.perf_counter() - start
+
+    def finish(self) -> dict:
+        """Wait for the last sends; busy and waiting seconds, bytes sent."""
+        while self.pending:
+            self.pending.popleft()[0].wait()
+        return {"busy_s": self.busy.seconds(), "wait_s": self.wait_s, "sent_bytes": self.sent_bytes}

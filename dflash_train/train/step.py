@@ -16,9 +16,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dflash_train.data.anchors import block_inputs, block_labels, position_ids
-from dflash_train.model.attention import MaskSpec, build_training_masks
-from dflash_train.train.batching import MicroBatch
-from dflash_train.train.loss import LossStats, block_loss, slot_weights
+from dflash_train.model.attention import MaskSpec, PersistentMasks, build_training_masks
+from dflash_train.model.config import DrafterConfig
+from dflash_train.train.batching import MicroBatch, host_to_device, to_device
+from dflash_train.train.loss import CE, LossMix, LossStats, block_loss, slot_weights, teacher_hidden_at
 from dflash_train.train.optim import MasterWeightAdamW
 from dflash_train.train.vocab import VocabSubset
 
@@ -29,10 +30,7 @@ class StepContext:
 
     embed_weight: torch.Tensor  # the target's input embedding, frozen
     lm_head_weight: torch.Tensor  # the target's lm_head (== embed_weight when tied), frozen
-    block_size: int
-    mask_token_id: int
-    layer_types: tuple[str, ...]
-    sliding_window: int | None
+    drafter: DrafterConfig  # block size, mask token, layer types, sliding window
     gamma: float
     chunk_tokens: int
     backend: str
@@ -43,19 +41,12 @@ class StepContext:
     compile_loss: bool = False  # fuse the lm_head/softmax passes with torch.compile (compiled runs)
     train_vocab: VocabSubset | None = None  # training-only softmax subset (loss.train_vocab)
     train_lm_head: torch.Tensor | None = None  # lm_head rows of train_vocab, [V', H]
+    persistent_masks: PersistentMasks | None = None  # CUDA graphs (bench): masks kept at fixed addresses
+    loss: LossMix = CE  # loss.kind as coefficients; teacher terms read batch["final_hidden"]
 
-
-def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Copy without a stream sync: a copy from pageable host memory waits for the GPU to drain
-    (CUDA stages it), which left the GPU idle at the start of every step; pinned + non_blocking
-    does not wait."""
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-def to_device(mb: MicroBatch, device) -> dict:
-    return {k: host_to_device(getattr(mb, k), device) for k in ("input_ids", "loss_mask", "anchors", "keep", "taps")}
+    @property
+    def block_size(self) -> int:
+        return self.drafter.block_size
 
 
 def loss_weight_sum(mb: MicroBatch, ctx: StepContext) -> torch.Tensor:
@@ -73,10 +64,12 @@ def forward_stats(model, batch: dict, ctx: StepContext) -> LossStats:
     input_ids, anchors, keep, taps = batch["input_ids"], batch["anchors"], batch["keep"], batch["taps"]
     seq_len, num_anchors = input_ids.shape[1], anchors.shape[1]
     labels, valid = block_labels(input_ids, batch["loss_mask"], anchors, keep, ctx.block_size)
-    block_embeds = F.embedding(block_inputs(input_ids, anchors, ctx.block_size, ctx.mask_token_id),
+    dcfg = ctx.drafter
+    block_embeds = F.embedding(block_inputs(input_ids, anchors, dcfg.block_size, dcfg.mask_token_id),
                                ctx.embed_weight)  # [b, N*B, H]
-    spec = MaskSpec(seq_len, ctx.block_size, num_anchors, ctx.sliding_window)
-    masks = build_training_masks(spec, ctx.layer_types, anchors, keep, ctx.backend)
+    spec = MaskSpec(seq_len, dcfg.block_size, num_anchors, dcfg.sliding_window)
+    masks = build_training_masks(spec, dcfg.layer_types, anchors, keep, ctx.backend,
+                                 persistent=ctx.persistent_masks)
     autocast = (torch.autocast(ctx.device.type, dtype=ctx.autocast_dtype) if ctx.autocast_dtype
                 else contextlib.nullcontext())
     with autocast:
@@ -85,7 +78,10 @@ def forward_stats(model, batch: dict, ctx: StepContext) -> LossStats:
         if ctx.train_vocab is not None:
             labels, valid = ctx.train_vocab.map_labels(labels, valid)
             lm_head = ctx.train_lm_head
-        return block_loss(hidden, lm_head, labels, valid, ctx.gamma, ctx.chunk_tokens, compiled=ctx.compile_loss)
+        teacher = teacher_hidden_at(batch["final_hidden"], anchors, ctx.block_size) if ctx.loss.needs_teacher \
+            else None  # [b, N, B, H]
+        return block_loss(hidden, lm_head, labels, valid, ctx.gamma, ctx.chunk_tokens, teacher_hidden=teacher,
+                          compiled=ctx.compile_loss, mix=ctx.loss)
 
 
 def global_weight_sum(mbs: list[MicroBatch], ctx: StepContext) -> torch.Tensor:
@@ -109,8 +105,7 @@ def train_step(model, optimizer, scheduler, mbs: list[MicroBatch], ctx: StepCont
         with sync:
             stats = forward_stats(model, to_device(mb, ctx.device), ctx)
             (stats.loss_sum * scale.to(stats.loss_sum.dtype)).backward()
-        detached = LossStats(**{k: v.detach() for k, v in vars(stats).items()})
-        total = detached if total is None else LossStats(**{k: getattr(total, k) + v for k, v in vars(detached).items()})
+        total = stats.detach() if total is None else total + stats.detach()
     grad_norm = clip_and_step(optimizer, [p for p in model.parameters() if p.grad is not None], grad_clip)
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
@@ -138,9 +133,9 @@ def clip_and_step(optimizer, params: list, max_norm: float) -> torch.Tensor:
     return norm
 
 
-def reduce_stats(stats: LossStats, ctx: StepContext, block_size: int) -> LossStats:
+def reduce_stats(stats: LossStats, ctx: StepContext) -> LossStats:
     """Sum LossStats over the drafter ranks in one flat all-reduce."""
     flat = stats.flat()
     if ctx.num_drafters > 1:
         dist.all_reduce(flat, group=ctx.dp_group)
-    return LossStats.from_flat(flat, block_size)
+    return LossStats.from_flat(flat, ctx.block_size)

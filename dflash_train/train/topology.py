@@ -54,7 +54,22 @@ class Topology:
 
     @property
     def runs_target_forward(self) -> bool:
-        return self.mode == "colocated" or self.is_target
+        return self.target_in_process or self.is_target
+
+    @property
+    def target_in_process(self) -> bool:
+        """Every rank runs the target itself, right before its drafter step (colocated)."""
+        return self.mode == "colocated"
+
+    @property
+    def has_target_ranks(self) -> bool:
+        """Taps travel from target ranks to drafter ranks (disaggregated)."""
+        return self.mode == "disaggregated"
+
+    @property
+    def reads_shards(self) -> bool:
+        """Taps come from `dflash-train prepare` shards (offline)."""
+        return self.mode == "offline"
 
     @property
     def num_drafters(self) -> int:

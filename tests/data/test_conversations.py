@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from dflash_train.data.conversations import (DataError, read_conversations, tokenize_conversation,
-                                             tokenize_conversations)
+from dflash_train.data.conversations import read_conversations, tokenize_conversation, tokenize_conversations
+from dflash_train.data.records import Conversation
+from dflash_train.data.rows import DataError
 
 END = "<|im_end|>"
 SHAREGPT = {"id": "sg-1", "conversations": [
@@ -89,8 +90,6 @@ def test_template_that_rerenders_history_still_masks_only_content(smollm2_tokeni
 
 
 def test_truncation_and_min_loss_tokens_are_counted(smollm2_tokenizer):
-    from dflash_train.data.conversations import Conversation
-
     full_ids, full_mask = tokenize_conversation(smollm2_tokenizer, OPENAI["messages"], max_len=4096)
     ids, mask = tokenize_conversation(smollm2_tokenizer, OPENAI["messages"], max_len=20)
     assert (ids, mask) == (full_ids[:20], full_mask[:20])

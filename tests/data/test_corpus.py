@@ -30,8 +30,7 @@ def test_default_train_mix_is_seeded_half_half_and_prompt_only():
 
 
 def test_eval_prompts_are_held_out_and_end_with_a_user_turn():
-    sets = corpus.default_eval_prompts()
-    assert set(sets) == {"assistant", "chitchat"}
+    sets = {"assistant": corpus.assistant_eval_prompts(), "chitchat": corpus.chitchat_eval_prompts()}
     assert len(sets["assistant"]) >= 60 and len(sets["chitchat"]) == 60
     for messages in sets["assistant"] + sets["chitchat"]:
         assert messages[-1]["role"] == "user" and messages[-1]["content"].strip()
@@ -47,7 +46,7 @@ def test_hand_written_eval_requests_share_no_training_topic():
     """Independence of the hand-written set: no multi-word (or long) training topic occurs in it."""
     phrases = {re.sub(r"^(a|an|the) ", "", p.lower()).rstrip(".") for p in topic_phrases()}
     distinctive = [p for p in phrases if len(p.split()) >= 2 or len(p) >= 9]
-    for messages in corpus.default_eval_prompts()["assistant"]:
+    for messages in corpus.assistant_eval_prompts():
         text = messages[-1]["content"].lower()
         hits = [p for p in distinctive if re.search(rf"\b{re.escape(p)}\b", text)]
         assert not hits, (text, hits)

@@ -17,7 +17,7 @@ def test_regenerate_then_prepare(tmp_path, tiny_qwen3_dir, capsys):
     args = ["regenerate", "--target", str(tiny_qwen3_dir), "--data", str(data), "--out", str(out),
             "--max-new-tokens", "5", "--batch-size", "2", "--device", "cpu"]
     assert main(args) == 1
-    assert "dflash-train regenerate: FAILED: DataError: in.jsonl:6: bad JSON" in capsys.readouterr().out
+    assert "dflash-train regenerate: FAILED: in.jsonl:6: bad JSON" in capsys.readouterr().out
     assert main(args + ["--skip-bad-rows"]) == 0
     verdict = capsys.readouterr().out.strip().splitlines()[-1]
     assert verdict.startswith("dflash-train regenerate: OK 5 new + 0 already done = 5 rows") and "1 bad rows" in verdict
@@ -34,3 +34,14 @@ def test_regenerate_then_prepare(tmp_path, tiny_qwen3_dir, capsys):
     assert main(["prepare", "--target", str(tiny_qwen3_dir), "--data", str(data), "--skip-bad-rows",
                  "--out", str(tmp_path / "none"), "--device", "cpu"]) == 1
     assert "regenerate` first" in capsys.readouterr().out
+    # prompt-only `default` data is refused in validation, before the target loads
+    assert main(["prepare", f"target.model={tiny_qwen3_dir}", f"data.shards={tmp_path / 'none'}"]) == 2
+    text = capsys.readouterr().out
+    assert "dflash-train prepare: FAILED: data.train=default holds prompts only" in text and "target:" not in text
+
+
+def test_regenerate_and_prepare_need_their_outputs(capsys):
+    assert main(["regenerate"]) == 2
+    assert "dflash-train regenerate: FAILED: data.regen_out is not set" in capsys.readouterr().out
+    assert main(["prepare", "--data", "chitchat"]) == 2
+    assert "dflash-train prepare: FAILED: data.shards is not set" in capsys.readouterr().out

@@ -2,7 +2,7 @@
 
 import torch
 
-from dflash_train.data.conversations import Conversation
+from dflash_train.data.records import Conversation
 from dflash_train.data.regen_taps import TappedSamples, regenerate_with_taps
 
 IDS = [1, 3, 4]

@@ -8,8 +8,9 @@ import json
 import pytest
 import torch
 
-from dflash_train.data.conversations import Conversation
-from dflash_train.data.regenerate import prompt_messages, read_done_ids, regenerate
+from dflash_train.data.records import Conversation
+from dflash_train.data.conversations import prompt_messages
+from dflash_train.data.regenerate import read_done_ids, regenerate
 
 
 def _conversations(n: int) -> list[Conversation]:

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from dflash_train.data.conversations import TokenizedSample
+from dflash_train.data.records import TokenizedSample
 from dflash_train.data.shards import (INDEX_NAME, ShardReader, check_disk_space, dequantize_fp8,
                                       prepare_shards, quantize_fp8)
 from dflash_train.model.target import Target
@@ -159,3 +159,42 @@ def test_reader_order_is_seeded_sharded_and_resumes_exactly(tmp_path, target):
     sample = next(iter(ShardReader(tmp_path, seed=5)))
     assert sample["taps"].dtype == torch.bfloat16 and sample["taps"].shape[1] == 2 * 64
     assert sample["input_ids"].dtype == torch.int64 and sample["loss_mask"].dtype == torch.uint8
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8"])
+def test_final_hidden_is_stored_when_asked(tmp_path, target, fmt):
+    """A distillation prepare also stores the target's final hidden state (after its final norm),
+    recorded in the index's `entries`; bf16 exact, fp8 within its per-row bound."""
+    samples = _samples(6)
+    prepare_shards(target, samples, tmp_path, LAYERS, fmt, shard_tokens=40, batch_tokens=1, final_hidden=True)
+    reader = ShardReader(tmp_path, seed=0, dtype=torch.float32)
+    assert reader.entries == ["taps", "final_hidden"]
+    got = {s["id"]: s for s in reader}
+    for sample in samples:
+        ids = torch.tensor([sample.input_ids])
+        taps, final = target.taps(ids, None, LAYERS, return_last_hidden=True)
+        ref = target.model(ids, output_hidden_states=True).hidden_states[-1][0]  # HF: after the final norm
+        torch.testing.assert_close(final[0], ref)
+        row = got[sample.id]
+        assert row["final_hidden"].shape == (len(sample.input_ids), 64)
+        if fmt == "bf16":
+            assert torch.equal(row["final_hidden"], ref.to(torch.bfloat16).float())
+            assert torch.equal(row["taps"], taps[0].to(torch.bfloat16).float())
+        else:
+            assert bool(((row["final_hidden"] - ref).abs() <= _fp8_bound(ref)).all())
+
+
+def test_taps_only_shards_have_no_final_hidden(tmp_path, target):
+    """A CE prepare stores no final hidden state (CE runs do not pay for it); an index written before
+    entries were recorded reads as taps only, and resuming it as a taps-only prepare is allowed."""
+    samples = _samples(5)
+    prepare_shards(target, samples, tmp_path, LAYERS, "bf16", shard_tokens=40)
+    index = json.loads((tmp_path / INDEX_NAME).read_text())
+    assert index["entries"] == ["taps"]
+    assert "final_hidden" not in next(iter(ShardReader(tmp_path)))
+    del index["entries"]
+    (tmp_path / INDEX_NAME).write_text(json.dumps(index))
+    assert ShardReader(tmp_path).entries == ["taps"]
+    prepare_shards(target, samples, tmp_path, LAYERS, "bf16", shard_tokens=40)
+    with pytest.raises(ValueError, match="entries"):
+        prepare_shards(target, samples, tmp_path, LAYERS, "bf16", shard_tokens=40, final_hidden=True)

@@ -12,7 +12,7 @@ import torch
 
 from dflash_train import recipes
 from dflash_train.config import DataConfig, apply_overrides
-from dflash_train.data.conversations import DataError
+from dflash_train.data.rows import DataError
 from dflash_train.data.text import check_data_format, continuation_samples, read_documents, split_point
 from dflash_train.train.loop import train
 from tests.conftest import save_tiny_qwen3_dir

@@ -95,8 +95,10 @@ def test_cli_eval_default_prompt_sets(tiny_qwen3_target, tiny_qwen3_dir, tmp_pat
     pytest.importorskip("dflash_train.data.corpus")
     drafter_dir = save_zlab(_drafter(tiny_qwen3_target.config, tiny_qwen3_target.tokenizer, block_size=3),
                             tmp_path / "drafter", dtype=torch.float32)
-    rc = main(["eval", "--drafter", str(drafter_dir), "--target", str(tiny_qwen3_dir), "--num-prompts", "1",
-               "--max-new-tokens", "6", "--temperature", "0.7", "--out", str(tmp_path / "out"), "--device", "cpu"])
+    # the same command spelled as config overrides (every flag is an alias of one)
+    rc = main(["eval", f"eval.drafter={drafter_dir}", f"target.model={tiny_qwen3_dir}", "eval.num_prompts=1",
+               "eval.max_new_tokens=6", "eval.temperature=0.7", f"eval.out_dir={tmp_path / 'out'}",
+               "topology.device=cpu"])
     text = capsys.readouterr().out
     assert rc == 0, text
     report = json.loads((tmp_path / "out" / "report.json").read_text())
@@ -112,6 +114,10 @@ def test_cli_eval_fails_clearly(tiny_qwen3_target, tiny_qwen3_dir, tmp_path, cap
     text = capsys.readouterr().out
     assert rc == 1
     assert "dflash-train eval: FAILED: drafter is not compatible with target" in text
+    # a missing drafter directory fails in validation (exit 2), before the target is loaded
     rc = main(["eval", "--drafter", str(tmp_path / "missing"), "--target", str(tiny_qwen3_dir), "--device", "cpu"])
     text = capsys.readouterr().out
-    assert rc == 1 and "dflash-train eval: FAILED: " in text and "no config.json" in text
+    assert rc == 2 and f"dflash-train eval: FAILED: eval.drafter={tmp_path / 'missing'}: no config.json" in text
+    assert "target: loading" not in text
+    rc = main(["eval", "--target", str(tiny_qwen3_dir)])
+    assert rc == 2 and "dflash-train eval: FAILED: eval.drafter is not set" in capsys.readouterr().out

@@ -33,7 +33,7 @@ OVERRIDES = (
     "data.max_len=128", "train.epochs=4", f"train.max_steps={STEPS}", "train.seqs_per_step=4",
     "train.micro_batch=2", "train.log_every=1", "train.eval_every=8", f"train.ckpt_every={CKPT_EVERY}",
     "train.keep_last=5", "train.compile=off", "train.attention=sdpa", "train.tensorboard=false",
-    "eval.num_prompts=0",
+    "eval.num_prompts=0", "drafter.num_taps=3",
 )
 TRAIN_KEYS = ("epoch", "loss", "acc", "sim_tau", "eal", "grad_norm", "lr")
 EVAL_KEYS = ("sim_tau", "acc")

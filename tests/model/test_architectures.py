@@ -14,7 +14,7 @@ import pytest
 import torch
 import transformers
 
-from dflash_train.data.conversations import Conversation
+from dflash_train.data.records import Conversation
 from dflash_train.data.regen_taps import has_recurrent_layers, regenerate_with_taps
 from dflash_train.model.attention import FULL, SLIDING
 from dflash_train.model.config import drafter_config_from_target

@@ -4,33 +4,70 @@ import pytest
 import torch
 
 from dflash_train.config import OptimConfig
-from dflash_train.train.optim import MasterWeightAdamW, TimeBudget, build_optimizer, full_precision_weights, lr_factor
+from dflash_train.train.optim import (MasterWeightAdamW, TimeBudget, build_optimizer, full_precision_weights, lr_factor,
+                                      param_dtype)
+from dflash_train.train.parallel import apply_precision
 from dflash_train.train.step import clip_and_step
 
 
-def test_cosine_follows_steps_or_time_whichever_is_further():
-    assert lr_factor(0, 100, 0.1, 0.0) == pytest.approx(0.1)  # warm-up ignores the clock
-    assert lr_factor(0, 100, 0.1, 0.0, time_fraction=0.9) == pytest.approx(0.1)
-    by_steps = lr_factor(55, 100, 0.1, 0.0)  # progress 0.5
-    assert by_steps == pytest.approx(0.5)
-    assert lr_factor(55, 100, 0.1, 0.0, time_fraction=0.2) == pytest.approx(by_steps)
-    assert lr_factor(55, 100, 0.1, 0.0, time_fraction=0.75) == pytest.approx(0.5 * (1 + math.cos(0.75 * math.pi)))
-    assert lr_factor(20, 100, 0.1, 0.1, time_fraction=1.7) == pytest.approx(0.1)  # past the budget: the floor
+def test_cosine_ends_at_the_recorded_budget_decision():
+    assert lr_factor(0, 100, 0.1, 0.0) == pytest.approx(0.1)  # warm-up over 10% of the configured total
+    assert lr_factor(0, 100, 0.1, 0.0, steps=40) == pytest.approx(0.1)  # a decision leaves the warm-up alone
+    assert lr_factor(55, 100, 0.1, 0.0) == pytest.approx(0.5)  # progress 0.5 of the configured steps
+    assert lr_factor(25, 100, 0.1, 0.0, steps=40) == pytest.approx(0.5)  # progress 0.5 of the decided steps
+    assert lr_factor(39, 100, 0.1, 0.1, steps=40) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(29 / 30 * math.pi)))
+    assert lr_factor(60, 100, 0.1, 0.1, steps=40) == pytest.approx(0.1)  # past the decision: the floor
 
 
-def test_time_budget_without_minutes_never_runs_out():
-    budget = TimeBudget(None)
-    assert budget.fraction() == 0.0 and not budget.spent()
-    assert TimeBudget(1e-9).spent()
+class FakeClock:
+    """perf_counter stand-in: the budget's decision is then exact arithmetic."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
-def test_resumed_budget_continues_from_the_seconds_already_spent():
-    budget = TimeBudget(10.0)  # 600 s
-    budget.start(already_spent_s=450.0)
-    assert budget.fraction() == pytest.approx(0.75, abs=1e-3)
+def test_time_budget_decides_the_steps_from_the_measured_rate(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr("dflash_train.train.optim.time.perf_counter", clock)
+    budget = TimeBudget(1.0, total_steps=1000, decide_after=3)  # 60 s
+    budget.start(step=0)
+    proposals = []
+    for step, seconds in zip(range(1, 6), (20.0, 2.0, 2.0, 2.0, 2.0)):  # step 1 compiles
+        clock.now += seconds
+        proposals.append(budget.propose(step))
+    assert proposals[:2] == [None, None] and proposals[3:] == [None, None]  # decided once, at step 3
+    assert proposals[2] == 3 + (60 - 24) // 2  # 2 s per step over steps 2-3, 36 s left
+    budget.record(proposals[2])
+    assert budget.propose(6) is None and budget.steps == 21
     assert not budget.spent()
-    budget.start(already_spent_s=601.0)
-    assert budget.spent()
+    clock.now += 40.0
+    assert budget.spent()  # the clock still ends the run
+
+
+def test_time_budget_without_minutes_never_decides_and_never_runs_out():
+    budget = TimeBudget(None, total_steps=10)
+    budget.start(0)
+    assert [budget.propose(s) for s in range(1, 11)] == [None] * 10 and not budget.spent()
+    assert TimeBudget(1e-9, total_steps=10).spent()
+
+
+def test_a_resumed_budget_keeps_its_decision_and_its_spent_seconds(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr("dflash_train.train.optim.time.perf_counter", clock)
+    first = TimeBudget(10.0, total_steps=500)
+    first.record(321)
+    same, larger = TimeBudget(10.0, total_steps=500), TimeBudget(20.0, total_steps=500)
+    same.load_state_dict(first.state_dict())
+    larger.load_state_dict(first.state_dict())
+    assert same.steps == 321 and larger.steps is None  # another budget decides again
+    same.start(step=100, already_spent_s=450.0)
+    assert not same.spent()
+    clock.now += 151.0
+    assert same.spent()
+    assert same.propose(101) is None  # decided: no new measurement
 
 
 # --- MasterWeightAdamW: bf16 parameters, float32 masters -----------------------------------------
@@ -38,6 +75,14 @@ def test_resumed_budget_continues_from_the_seconds_already_spent():
 def _float32_module(seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.SiLU(), torch.nn.Linear(40, 6))
+
+
+def _master_adamw(module: torch.nn.Module, compiled: bool = False) -> MasterWeightAdamW:
+    """The optimizer on the float32 module, then the module cast to its param dtype, as the
+    trainer does (build_optimizer, then parallelize)."""
+    opt = MasterWeightAdamW(module.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1, compiled=compiled)
+    apply_precision(module, param_dtype(opt))
+    return opt
 
 
 def _bf16_grads(step: int, shapes) -> list[torch.Tensor]:
@@ -73,7 +118,7 @@ def test_master_weight_adamw_follows_float32_adamw_and_holds_bf16_weights():
     lrs = [1e-2, 5e-3, 2e-2, 1e-3, 1e-2, 3e-3]
     ref = _run_reference(len(lrs), lrs)
     model = _float32_module()
-    opt = MasterWeightAdamW(model.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = _master_adamw(model)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
     _run_master(model, opt, range(len(lrs)), lrs)
     start = list(_float32_module().parameters())
@@ -88,11 +133,11 @@ def test_master_weight_adamw_follows_float32_adamw_and_holds_bf16_weights():
 def test_master_weight_adamw_resumes_exactly_and_checkpoints_the_masters():
     lrs = [1e-2, 5e-3, 2e-2, 1e-3, 1e-2, 3e-3]
     whole = _float32_module()
-    opt_whole = MasterWeightAdamW(whole.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1)
+    opt_whole = _master_adamw(whole)
     _run_master(whole, opt_whole, range(6), lrs)
 
     first = _float32_module()
-    opt_first = MasterWeightAdamW(first.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1)
+    opt_first = _master_adamw(first)
     _run_master(first, opt_first, range(3), lrs)
     with full_precision_weights(opt_first):  # what the trainer's checkpoint stores
         weights = {k: v.clone() for k, v in first.state_dict().items()}
@@ -102,7 +147,7 @@ def test_master_weight_adamw_resumes_exactly_and_checkpoints_the_masters():
 
     assert all("master" not in s for s in saved["state"].values())  # the weights carry the masters
     second = _float32_module(seed=1)  # other weights: everything must come from the checkpoint
-    opt_second = MasterWeightAdamW(second.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1)
+    opt_second = _master_adamw(second)
     with full_precision_weights(opt_second):  # as train/loop.py restores
         second.load_state_dict(weights)
     opt_second.load_state_dict(saved)
@@ -125,7 +170,7 @@ def test_master_weight_adamw_and_torch_adamw_resume_from_each_other():
         opt_ref.param_groups[0]["lr"] = lrs[step]
         clip_and_step(opt_ref, list(ref.parameters()), 1.0)
     moved = _float32_module(seed=2)
-    opt = MasterWeightAdamW(moved.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = _master_adamw(moved)
     with full_precision_weights(opt):
         moved.load_state_dict(ref.state_dict())
     opt.load_state_dict(opt_ref.state_dict())
@@ -140,9 +185,12 @@ def test_master_weight_adamw_and_torch_adamw_resume_from_each_other():
 def test_build_optimizer_picks_master_weights_and_the_scheduler_drives_its_lr():
     model = _float32_module()
     opt, sched = build_optimizer(model.parameters(), OptimConfig(lr=1e-3, warmup_ratio=0.5), 10, master_weights=True)
-    assert isinstance(opt, MasterWeightAdamW)
+    assert isinstance(opt, MasterWeightAdamW) and param_dtype(opt) == torch.bfloat16
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the optimizer leaves the module's dtype
+    apply_precision(model, param_dtype(opt))
     cpu_default, _ = build_optimizer(_float32_module().parameters(), OptimConfig(), 10)
     assert type(cpu_default) is torch.optim.AdamW  # CPU training stays float32 whatever the setting
+    assert param_dtype(cpu_default) is None
     lrs = []
     for step in range(3):
         lrs.append(opt.param_groups[0]["lr"])
@@ -156,9 +204,8 @@ def test_compiled_master_update_matches_eager_without_recompiling_as_the_lr_move
     lives in a tensor, so one graph serves them all (~15 s of CPU compile)."""
     lrs = [1e-2, 5e-3, 2e-2, 1e-3]
     eager, compiled = _float32_module(), _float32_module()
-    opt_eager = MasterWeightAdamW(eager.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1)
-    opt_compiled = MasterWeightAdamW(compiled.parameters(), lr=1.0, betas=(0.9, 0.95), weight_decay=0.1,
-                                     compiled=True)
+    opt_eager = _master_adamw(eager)
+    opt_compiled = _master_adamw(compiled, compiled=True)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     _run_master(eager, opt_eager, range(4), lrs)
     _run_master(compiled, opt_compiled, range(4), lrs)

@@ -26,6 +26,7 @@ def train_cmd(nproc: int) -> list[str]:
 def args(target: Path, out: Path, *extra: str) -> list[str]:
     return ["--recipe", "tiny", f"target.model={target}", "data.train=chitchat", "data.regenerate=false",
             "data.max_samples=80", "data.max_len=256", "train.epochs=4", f"train.max_steps={STEPS}",
+            "drafter.num_taps=3",
             "train.seqs_per_step=4", f"train.out_dir={out}", "train.eval_every=100", *extra]
 
 

@@ -1,18 +1,19 @@
-"""The serving commands printed at the end of `dflash-train train` name a target engines can load."""
+"""The serving commands printed at the end of `dflash-train train` name the target the drafter was
+trained against (as recorded in its export) and num_speculative_tokens = block_size - 1."""
 
-from types import SimpleNamespace
+import json
 
-from dflash_train.model.target import gguf_cache_dir
-from dflash_train.train.command import served_target
+from dflash_train.train.command import summary
 
 
-def test_served_target_is_the_hub_id_the_converted_gguf_dir_or_the_path(tmp_path, monkeypatch):
-    monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path / "cache"))
-    assert served_target(SimpleNamespace(model="smollm2", gguf_file=None)) == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF")
-    as_file = SimpleNamespace(model=str(gguf), gguf_file=None)
-    assert served_target(as_file) == str(gguf)  # not converted yet: the file itself
-    gguf_cache_dir(gguf).mkdir(parents=True)
-    assert served_target(as_file) == str(gguf_cache_dir(gguf))  # safetensors + tokenizer: loads as is
-    assert served_target(SimpleNamespace(model=str(tmp_path), gguf_file=None)) == str(tmp_path)
+def test_summary_serves_the_recorded_training_target(tmp_path):
+    export = tmp_path / "drafter"
+    export.mkdir()
+    recorded = {"name": "m.gguf", "quantization": "gguf Q4_1", "serve": "/cache/m-converted"}
+    (export / "config.json").write_text(json.dumps({"block_size": 16, "dflash_config": {
+        "block_size": 16, "trained_against": recorded}}))
+    result = {"steps": 1, "total_steps": 1, "tokens": 10, "sim": {"sim_tau": 1.5}, "export": str(export)}
+    text = summary(result)
+    assert "vllm serve /cache/m-converted " in text and '"num_speculative_tokens": 15' in text
+    assert "--model-path /cache/m-converted " in text and "--speculative-num-draft-tokens 16" in text
+    assert "gguf Q4_1" in text

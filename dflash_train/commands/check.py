@@ -1,0 +1,44 @@
+"""`dflash-train check DRAFTER --target T`: will this drafter be served right with that target?
+
+Lists every failure of the serving contract (dflash_train/model/serving_check.py), each naming its
+field, then the verdict; exits non-zero on any failure. Reads the target's files only (config,
+safetensors headers, a few sampled bytes); the drafter is loaded on the CPU for one block's forward.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dflash_train.commands import Alias, Verdict
+from dflash_train.validate import validate_check as validate  # noqa: F401 - the command's check
+
+HELP = "check that an exported drafter will be served right with a target (vLLM, SGLang)"
+RECIPE = None
+POSITIONAL = "check.drafter"
+READS = ("check", "target.model", "target.gguf_file")
+ALIASES = (Alias("--drafter", "check.drafter"), Alias("--target", "target.model"),
+           Alias("--gguf-file", "target.gguf_file"))
+
+
+def run(cfg) -> str | Verdict:
+    # torch and the model code load here only (see commands/__init__.py)
+    from dflash_train.model.hf_format import TRAINED_AGAINST
+    from dflash_train.model.serving_check import check_drafter, serve_instructions
+    from dflash_train.model.target_identity import describe_target
+
+    drafter_dir = cfg.check.drafter
+    target = describe_target(cfg.target.model, cfg.target.gguf_file)
+    print(f"check: target {target.name}: {target.path} ({target.quantization or 'unquantised'}), "
+          f"{target.num_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size}", flush=True)
+    failures = check_drafter(drafter_dir, target)
+    for failure in failures:
+        print(f"check: FAIL {failure}", flush=True)
+    if failures:
+        fields = ", ".join(dict.fromkeys(f.field for f in failures))
+        return Verdict(f"{len(failures)} problems ({fields})", status="FAILED:", exit_code=1)
+    recorded = json.loads((Path(drafter_dir) / "config.json").read_text())["dflash_config"].get(TRAINED_AGAINST)
+    if not recorded:
+        print("check: no training target recorded in the drafter: the target could not be compared", flush=True)
+    print(serve_instructions(drafter_dir), flush=True)
+    return f"{drafter_dir} serves with {target.name}"

@@ -1,0 +1,59 @@
+"""`dflash-train eval --drafter DIR [--target T] [...]`: real speculative decoding of held-out prompts
+with a z-lab drafter directory (ours or a published one) against its target.
+
+Prints a summary table and ends with `dflash-train eval: OK tau=... speedup=...x`. Writes
+report.json and two PNG plots to eval.out_dir (--out).
+"""
+
+from __future__ import annotations
+
+from dflash_train.commands import Alias, device_of, load_configured_target
+from dflash_train.validate import validate_eval as validate  # noqa: F401 - the command's check
+
+HELP = "real speculative decoding: tau, per-position acceptance, speedup"
+RECIPE = None
+READS = ("eval", "target", "data.thinking", "train.seed", "topology.device")
+ALIASES = (
+    Alias("--drafter", "eval.drafter"), Alias("--target", "target.model"), Alias("--gguf-file", "target.gguf_file"),
+    Alias("--prompts", "eval.prompts"), Alias("--num-prompts", "eval.num_prompts"),
+    Alias("--max-new-tokens", "eval.max_new_tokens"), Alias("--temperature", "eval.temperature"),
+    Alias("--thinking", "data.thinking"), Alias("--block-size", "eval.block_size"),
+    Alias("--device", "topology.device"), Alias("--dtype", "target.dtype"), Alias("--seed", "train.seed"),
+    Alias("--out", "eval.out_dir"), Alias("--trust-remote-code", "target.trust_remote_code", const="true"),
+    Alias("--no-progress", "eval.progress", const="false"),
+)
+
+
+def run(cfg) -> str:
+    from dflash_train.eval.prompt_sets import load_prompt_sets
+    from dflash_train.eval.evaluate import check_compatible, evaluate
+    from dflash_train.model.hf_format import load_zlab
+
+    e = cfg.eval
+    target = load_configured_target(cfg)
+    drafter = load_zlab(e.drafter, device=device_of(cfg), dtype=target.dtype)
+    print(f"eval: drafter {e.drafter}: {drafter.config.num_layers} layers, block size "
+          f"{e.block_size or drafter.config.block_size}, taps {list(drafter.config.target_layer_ids)}, "
+          f"mask token {drafter.config.mask_token_id}", flush=True)
+    check_compatible(drafter, target)  # before reading prompts: fail fast on the wrong pair
+    sets = load_prompt_sets(e.prompts, e.num_prompts)
+    print("eval: " + ", ".join(f"{n}: {len(p)} prompts" for n, p in sets.items())
+          + f"; max {e.max_new_tokens} new tokens, temperature {e.temperature}", flush=True)
+    report = evaluate(drafter, target, sets, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
+                      thinking=cfg.data.thinking, block_size=e.block_size, seed=cfg.train.seed, out_dir=e.out_dir,
+                      progress=e.progress)
+    _print_report(report, e.temperature)
+    overall = report["overall"]
+    return (f"tau={overall['tau']:.3f} speedup={overall['speedup']:.2f}x ({overall['num_prompts']} prompts, "
+            f"{overall['spec_tokens']} tokens)")
+
+
+def _print_report(report: dict, temperature: float) -> None:
+    from dflash_train.eval.report import lossless_note, summary_table
+
+    print(summary_table({**report["sets"], "overall": report["overall"]}), flush=True)
+    for name, figures in report["sets"].items():
+        note = lossless_note(figures, report["dtype"] == "float32", temperature)
+        if note:
+            print(f"eval [{name}]: {note}", flush=True)
+    print(f"eval: report {report['report']}; plots {', '.join(report['plots'])}", flush=True)

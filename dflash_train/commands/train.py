@@ -1,0 +1,40 @@
+"""`dflash-train train [--recipe NAME] [--resume] [section.field=value ...]`.
+
+Run directly (one process) or under torchrun (one process per GPU, any number of nodes). With no
+arguments it runs the embedded default recipe end to end on CPU (or a GPU when there is one).
+Every rank validates the config and the topology before the target is loaded; a rank that fails
+later prints its error and exits at once, so torchrun stops the job.
+"""
+
+from __future__ import annotations
+
+import os
+
+from dflash_train.commands import Alias, Verdict
+from dflash_train.config import ConfigError
+from dflash_train.validate import check_topology, validate_run, world_size_from_env
+
+HELP = "train a drafter (default: the embedded SmolLM2 recipe, on CPU)"
+RECIPE = "default"
+READS = ("target", "drafter", "data", "loss", "optim", "train", "topology", "eval")
+ALIASES = (Alias("--resume", "train.resume", const="true"),)
+
+
+def validate(cfg) -> None:
+    problems = check_topology(cfg, world_size_from_env())
+    if problems:  # a Topology cannot even be built from these settings
+        raise ConfigError(problems[0])
+    from dflash_train.train.topology import topology_from_env  # imports torch (commands/__init__.py)
+
+    validate_run(cfg, topology_from_env(cfg.topology.mode, cfg.topology.target_ranks))
+
+
+def run(cfg) -> str | Verdict:
+    from dflash_train.train.command import summary
+    from dflash_train.train.loop import train
+
+    result = train(cfg)
+    if result.get("role") == "drafter" and "export" in result:
+        print(summary(result), flush=True)
+    detail = f"(rank {os.environ.get('RANK', '0')}, {result.get('role')}, {result.get('steps', '-')} steps)"
+    return Verdict(detail, "INTERRUPTED", 3) if result.get("interrupted") else detail

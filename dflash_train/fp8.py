@@ -1,0 +1,67 @@
+"""FP8 support: whether this machine can run float8 matmuls, and which linear layers can.
+
+FP8 runs through torchao (the optional extra `pip install dflash-train[fp8]`): float8 training of
+the drafter (`train.parallel.convert_to_fp8`) and float8 inference of the frozen target
+(`model.target.Target.quantize_fp8`). Both need a CUDA GPU of compute capability >= 8.9 (Ada,
+Hopper or newer), whose tensor cores run e4m3/e5m2 matmuls at twice the bf16 rate.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+from torch import nn
+
+FP8_MIN_CAPABILITY = (8, 9)
+FP8_ALIGN = 16  # float8 matmuls (torch._scaled_mm) need both dimensions of each operand divisible by 16
+INSTALL_HINT = "pip install 'dflash-train[fp8]' (torchao>=0.12)"
+
+
+def fp8_problem(device: torch.device | str | None = None) -> str | None:
+    """Why FP8 cannot run on `device` (None: the current CUDA device, else the CPU), or None."""
+    if importlib.util.find_spec("torchao") is None:
+        return f"torchao is not installed: {INSTALL_HINT}"
+    try:
+        import torchao.float8  # noqa: F401 - optional dependency: does it import with this torch?
+    except Exception as e:  # noqa: BLE001 - any import failure means the same thing here
+        return f"torchao does not import with torch {torch.__version__}: {type(e).__name__}: {e}"
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type != "cuda":
+        return f"float8 matmuls need a CUDA GPU (compute capability >= 8.9); this run is on {device.type}"
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        return (f"{torch.cuda.get_device_name(device)} has compute capability {capability[0]}.{capability[1]}; "
+                "float8 matmuls need >= 8.9 (Ada, Hopper or newer)")
+    return None
+
+
+def require_fp8(device: torch.device | str | None, option: str) -> None:
+    """Raise a RuntimeError naming `option` (e.g. `train.precision`) and how to turn FP8 off."""
+    problem = fp8_problem(device)
+    if problem is not None:
+        raise RuntimeError(f"{option}=fp8: {problem}; set {option}=bf16 to run without FP8")
+
+
+def fp8_fits(module: nn.Module, fqn: str = "") -> bool:
+    """A linear layer whose in and out features are multiples of 16 (torchao's module filter)."""
+    return (isinstance(module, nn.Linear) and module.in_features % FP8_ALIGN == 0
+            and module.out_features % FP8_ALIGN == 0)
+
+
+def split_linears(root: nn.Module) -> tuple[list[str], list[str]]:
+    """(names of the linear layers FP8 can take, names of those it cannot) under `root`."""
+    linears = [(name, m) for name, m in root.named_modules() if isinstance(m, nn.Linear)]
+    return [n for n, m in linears if fp8_fits(m)], [n for n, m in linears if not fp8_fits(m)]
+
+
+def describe_conversion(what: str, recipe: str, converted: list[str], skipped: list[str],
+                        root: nn.Module) -> str:
+    """One line: which linear layers run in FP8, which stay bf16 (shape not divisible by 16)."""
+    line = f"fp8: {what}: {len(converted)} of {len(converted) + len(skipped)} linear layers in float8 ({recipe})"
+    if skipped:
+        shapes = {n: tuple(root.get_submodule(n).weight.shape) for n in skipped}
+        line += "; kept in bf16 (dims not multiples of 16): " + ", ".join(f"{n} {s}" for n, s in shapes.items())
+    return line

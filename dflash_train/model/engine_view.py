@@ -1,0 +1,127 @@
+"""A drafter directory as vLLM and SGLang see it: their config parse, their weight names, and a
+one-block draft forward written from their side, independently of `drafter.py`.
+
+The engines read config.json through transformers' `Qwen3Config` (so a missing `head_dim` becomes
+128 and a missing `rope_theta` 10000, whatever the trainer used), accept an optional `model.`
+weight prefix, fuse q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, and skip names they do
+not know. The forward below follows z-lab's `DFlashDraftModel` with those conventions: context K/V
+from `hidden_norm(fc(taps))` at positions [0, C), the block [anchor, MASK...] at [C, C+B),
+bidirectional in full-attention layers and causal (windowed) in sliding ones, unless `is_causal`
+or `dflash_config.causal` says otherwise (vLLM `_dflash_layer_causal`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dflash_train.model.config import rope_theta_of
+
+SKIPPED_PREFIX = "model."
+FUSED = {"self_attn.qkv_proj": ("q_proj", "k_proj", "v_proj"), "mlp.gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def engine_config(model_dir: str | Path):
+    """config.json parsed afresh, as the engines do (a DFlashDraftModel with model_type qwen3)."""
+    from transformers import Qwen3Config  # heavy import, only when a drafter is checked
+
+    return Qwen3Config.from_pretrained(str(model_dir), local_files_only=True)
+
+
+def engine_weights(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The engines' name mapping: strip `model.`, fuse q/k/v and gate/up per layer."""
+    plain = {name.removeprefix(SKIPPED_PREFIX): t for name, t in tensors.items()}
+    mapped = dict(plain)
+    layers = {name.split(".")[1] for name in plain if name.startswith("layers.")}
+    for i in sorted(layers):
+        for fused, parts in FUSED.items():
+            group = fused.split(".")[0]  # self_attn / mlp
+            for param in ("weight", "bias"):
+                names = [f"layers.{i}.{group}.{part}.{param}" for part in parts]
+                if all(n in plain for n in names):
+                    mapped[f"layers.{i}.{fused}.{param}"] = torch.cat([mapped.pop(n) for n in names], dim=0)
+    return mapped
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.float()
+    return weight.float() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """x [L, heads, hd] rotated at positions [L], neox layout (rotate the two halves)."""
+    hd = x.shape[-1]
+    inv_freq = theta ** (-torch.arange(0, hd, 2, dtype=torch.float32) / hd)
+    angles = positions.float()[:, None] * inv_freq  # [L, hd/2]
+    cos, sin = angles.cos().repeat(1, 2)[:, None], angles.sin().repeat(1, 2)[:, None]  # [L, 1, hd]
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def _linear(x: torch.Tensor, w: dict, name: str) -> torch.Tensor:
+    bias = w.get(name + ".bias")
+    return F.linear(x, w[name + ".weight"].float(), None if bias is None else bias.float())
+
+
+def _layer_is_causal(hf, dflash: dict, i: int) -> bool:
+    if getattr(hf, "is_causal", None) is not None:
+        return bool(hf.is_causal)
+    if dflash.get("causal") is not None:
+        return bool(dflash["causal"])
+    return hf.layer_types[i] == "sliding_attention"
+
+
+def _visible(hf, dflash: dict, i: int, context_len: int, block_len: int) -> torch.Tensor:
+    """[B, C+B] keys each block query sees."""
+    q_pos = context_len + torch.arange(block_len)[:, None]
+    k_pos = torch.arange(context_len + block_len)[None, :]
+    visible = torch.ones(block_len, context_len + block_len, dtype=torch.bool)
+    if _layer_is_causal(hf, dflash, i):
+        visible &= k_pos <= q_pos
+    if hf.layer_types[i] == "sliding_attention" and hf.sliding_window:
+        visible &= k_pos > q_pos - hf.sliding_window
+    return visible
+
+
+def _attention(hf, w: dict, p: str, h: torch.Tensor, ctx: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """One layer's attention: h [B, H] block (normed), ctx [C, H] fused context -> [B, H]."""
+    hd, n_q, n_kv = hf.head_dim, hf.num_attention_heads, hf.num_key_value_heads
+    theta, eps = rope_theta_of(hf), hf.rms_norm_eps
+    C, B = ctx.shape[0], h.shape[0]
+    sizes = [n_q * hd, n_kv * hd, n_kv * hd]
+    wq, wk, wv = w[p + "self_attn.qkv_proj.weight"].float().split(sizes)  # the engines' fused qkv
+    bias = w.get(p + "self_attn.qkv_proj.bias")
+    bq, bk, bv = bias.float().split(sizes) if bias is not None else (None, None, None)
+    kv_in = torch.cat([ctx, h], dim=0)  # [C+B, H]: context keys first, then the block's
+    q = _rms(F.linear(h, wq, bq).view(B, n_q, hd), w[p + "self_attn.q_norm.weight"], eps)
+    k = _rms(F.linear(kv_in, wk, bk).view(C + B, n_kv, hd), w[p + "self_attn.k_norm.weight"], eps)
+    v = F.linear(kv_in, wv, bv).view(C + B, n_kv, hd)
+    positions = torch.arange(C + B)
+    q, k = _rope(q, positions[C:], theta), _rope(k, positions, theta)
+    groups = n_q // n_kv
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # [C+B, n_q, hd]
+    scores = torch.einsum("qhd,khd->hqk", q, k) * hd ** -0.5  # [n_q, B, C+B]
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    out = torch.einsum("hqk,khd->qhd", probs, v).reshape(B, n_q * hd)
+    return _linear(out, w, p + "self_attn.o_proj")
+
+
+def engine_forward(hf, dflash: dict, w: dict[str, torch.Tensor], context_taps: torch.Tensor,
+                   block_embeds: torch.Tensor) -> torch.Tensor:
+    """Final-normed hidden states [B, H] of one block after C context positions, in float32.
+
+    hf: `engine_config`; w: `engine_weights`; context_taps [C, K*H]; block_embeds [B, H]."""
+    eps = hf.rms_norm_eps
+    ctx = _rms(_linear(context_taps.float(), w, "fc"), w["hidden_norm.weight"], eps)  # [C, H]
+    x = block_embeds.float()
+    inner = hf.intermediate_size
+    for i in range(hf.num_hidden_layers):
+        p = f"layers.{i}."
+        visible = _visible(hf, dflash, i, ctx.shape[0], x.shape[0])
+        x = x + _attention(hf, w, p, _rms(x, w[p + "input_layernorm.weight"], eps), ctx, visible)
+        gate, up = w[p + "mlp.gate_up_proj.weight"].float().split([inner, inner])
+        h = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
+        x = x + _linear(F.silu(F.linear(h, gate)) * F.linear(h, up), w, p + "mlp.down_proj")
+    return _rms(x, w["norm.weight"], eps)

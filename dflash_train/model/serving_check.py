@@ -1,0 +1,291 @@
+"""The serving contract of an exported drafter: what vLLM and SGLang need and do not check.
+
+Neither engine notices a missing weight (vLLM's DFlash `load_weights` returns nothing, so its
+strict check is skipped; SGLang skips unknown names), vLLM falls back silently on a hidden size or
+vocabulary that differs from the target's, and vLLM never reads `block_size`. So a wrong drafter
+serves random or misplaced weights without a word. `check_drafter` verifies, and returns every
+failure (each naming its field) rather than stopping at the first:
+- config: architecture, model_type, `mask_token_id` in [0, vocab), `target_layer_ids` strictly
+  increasing in [0, L-2] and as many as `fc` takes, `num_target_layers`, one `block_size`,
+  explicit `head_dim`/`rope_theta`/`layer_types` that the engines read as the trainer did (and
+  equal to training when the trained drafter is given), hidden size and vocab equal to the
+  target's;
+- weights: the exact key set and shapes, no `model.` prefix, no embeddings / lm_head / token maps;
+- target: the one given is the one recorded at export (`dflash_config.trained_against`);
+- forward: one block through the drafter loaded the engines' way (`engine_view`) equals the
+  trainer's forward.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dflash_train.model import engine_view
+from dflash_train.model.attention import MaskSpec, build_training_masks
+from dflash_train.model.config import DrafterConfig, last_layer_tap_problem, rope_theta_of
+from dflash_train.model.drafter import DFlashDrafter
+from dflash_train.model.hf_format import TRAINED_AGAINST, drafter_config_from_zlab, load_zlab
+from dflash_train.model.target_identity import TargetInfo, safetensors_shapes, serve_note
+
+FORBIDDEN_WEIGHTS = ("embed_tokens.weight", "lm_head.weight", "t2d", "d2t")
+EXPLICIT_KEYS = ("head_dim", "rope_theta", "layer_types")
+ENGINE_FIELDS = {  # engine (Qwen3Config) attribute -> trainer (DrafterConfig) field
+    "hidden_size": "hidden_size", "intermediate_size": "intermediate_size", "num_hidden_layers": "num_layers",
+    "num_attention_heads": "num_heads", "num_key_value_heads": "num_kv_heads", "head_dim": "head_dim",
+    "rms_norm_eps": "rms_norm_eps", "layer_types": "layer_types", "attention_bias": "attention_bias",
+}
+CONTEXT_LEN = 5  # context positions before the checked block
+FORWARD_RTOL = 1e-4
+
+
+@dataclass(frozen=True)
+class Failure:
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+class ServingContractError(ValueError):
+    def __init__(self, drafter_dir, failures: list[Failure]):
+        self.failures = failures
+        lines = "\n  ".join(str(f) for f in failures)
+        super().__init__(f"{drafter_dir}: the drafter fails its serving check ({len(failures)} problems):\n  {lines}")
+
+
+def check_drafter(drafter_dir: str | Path, target: TargetInfo | None = None,
+                  trained: DFlashDrafter | None = None) -> list[Failure]:
+    """Every way the drafter in `drafter_dir` would be served wrong; [] when none.
+
+    target: the target it will be served with (`describe_target`). trained: the trainer's drafter
+    that was exported (its config is "training"; its weights, rounded to the stored dtype, give the
+    reference forward); without it the trainer's loader `load_zlab` reads the directory."""
+    drafter_dir = Path(drafter_dir)
+    try:
+        d = json.loads((drafter_dir / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        return [Failure("config.json", f"cannot be read: {e}")]
+    weight_files = sorted(drafter_dir.glob("*.safetensors"))
+    if not weight_files:
+        return [Failure("weights", f"no *.safetensors in {drafter_dir}")]
+    shapes = {name: shape for path in weight_files for name, shape in safetensors_shapes(path).items()}
+    failures = check_config(d, shapes, target)
+    identity = check_target_identity(d, target) if target is not None else []
+    try:
+        cfg = drafter_config_from_zlab(d, str(drafter_dir / "config.json"))
+    except (ValueError, TypeError) as e:
+        return failures + [Failure("config", f"the trainer cannot read it: {e}")] + identity
+    failures += check_engine_view(drafter_dir, d, cfg)
+    if trained is not None:
+        failures += check_training(cfg, trained.config)
+    failures += check_weights(shapes, cfg, skip_fc=any(f.field.endswith("target_layer_ids") for f in failures))
+    if not failures:  # a forward needs loadable weights and a config both sides read alike
+        failures += check_forward(drafter_dir, d, cfg, trained)
+    return failures + identity
+
+
+def check_config(d: dict, shapes: dict, target: TargetInfo | None) -> list[Failure]:
+    """The config keys the engines act on, as they read them."""
+    out = []
+    if d.get("architectures") != ["DFlashDraftModel"]:
+        out.append(Failure("architectures", f"{d.get('architectures')} is not [\"DFlashDraftModel\"]: "
+                                            "vLLM and SGLang pick their DFlash class by this name"))
+    if d.get("model_type") != "qwen3":
+        out.append(Failure("model_type", f"{d.get('model_type')!r} is not 'qwen3': the engines parse the "
+                                         "config as a Qwen3Config"))
+    dflash = d.get("dflash_config")
+    if not isinstance(dflash, dict):
+        return out + [Failure("dflash_config", "missing: the engines read mask_token_id and target_layer_ids "
+                                               "from it (SGLang falls back to derived layer ids)")]
+    out += _check_vocab_and_mask(d, dflash, target)
+    out += _check_layer_ids(d, dflash, shapes, target)
+    out += _check_block_size(d, dflash)
+    if target is not None and d.get("hidden_size") != target.hidden_size:
+        out.append(Failure("hidden_size", f"{d.get('hidden_size')} but the target {target.name} has "
+                                          f"{target.hidden_size}: vLLM silently falls back, SGLang raises"))
+    return out
+
+
+def _check_vocab_and_mask(d: dict, dflash: dict, target: TargetInfo | None) -> list[Failure]:
+    out, vocab = [], d.get("vocab_size")
+    if target is not None and vocab != target.vocab_size:
+        out.append(Failure("vocab_size", f"{vocab} but the target {target.name} has {target.vocab_size} "
+                                         "embedding rows: vLLM silently skips the embedding and token maps"))
+    mask = dflash.get("mask_token_id")
+    limits = [v for v in (vocab, target.vocab_size if target else None) if isinstance(v, int)]
+    if not isinstance(mask, int) or isinstance(mask, bool):
+        out.append(Failure("dflash_config.mask_token_id", f"{mask!r} is not an integer token id"))
+    elif mask < 0 or any(mask >= v for v in limits):
+        out.append(Failure("dflash_config.mask_token_id", f"{mask} is outside the embedding table "
+                                                          f"[0, {min(limits) if limits else '?'})"))
+    return out
+
+
+def _check_layer_ids(d: dict, dflash: dict, shapes: dict, target: TargetInfo | None) -> list[Failure]:
+    field, out = "dflash_config.target_layer_ids", []
+    ids, n_target = dflash.get("target_layer_ids"), d.get("num_target_layers")
+    if target is not None and n_target != target.num_layers:
+        out.append(Failure("num_target_layers", f"{n_target} but the target {target.name} has {target.num_layers}"))
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) for i in ids):
+        return out + [Failure(field, f"{ids!r} is not a non-empty list of layer ids (SGLang would derive "
+                                     "its own, vLLM would tap nothing sensible)")]
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        out.append(Failure(field, f"{ids} is not strictly increasing"))
+    for n_layers in {n for n in (n_target, target.num_layers if target else None) if isinstance(n, int)}:
+        last_tap = last_layer_tap_problem(ids, n_layers)
+        if last_tap:
+            out.append(Failure(field, last_tap))
+        elif any(not 0 <= i <= n_layers - 2 for i in ids):
+            out.append(Failure(field, f"{ids} outside [0, {n_layers - 2}] for a target of {n_layers} layers"))
+    fc, hidden = shapes.get("fc.weight") or shapes.get("model.fc.weight"), d.get("hidden_size")
+    if fc and isinstance(hidden, int) and len(fc) == 2 and fc[1] != len(ids) * hidden:
+        out.append(Failure(field, f"{len(ids)} ids but fc.weight {list(fc)} takes {fc[1] / hidden:g} taps "
+                                  f"of width {hidden}"))
+    return out
+
+
+def _check_block_size(d: dict, dflash: dict) -> list[Failure]:
+    found = {k: v for k, v in (("block_size", d.get("block_size")),
+                               ("dflash_config.block_size", dflash.get("block_size"))) if v is not None}
+    if not found:
+        return [Failure("block_size", "missing (top level and dflash_config): serve with "
+                                      "num_speculative_tokens = block_size - 1, so it must be recorded")]
+    if len(set(found.values())) > 1:
+        return [Failure("block_size", f"differs between places: {found} (SGLang reads dflash_config's, the "
+                                      "serve commands the top level)")]
+    size = next(iter(found.values()))
+    if not isinstance(size, int) or size < 2:
+        return [Failure("block_size", f"{size!r}: must be an integer >= 2")]
+    return []
+
+
+def check_engine_view(drafter_dir: Path, d: dict, cfg: DrafterConfig) -> list[Failure]:
+    """The engines' fresh parse must give the values the trainer used; the keys whose defaults
+    differ between the two (head_dim 128, rope_theta 10000 in Qwen3Config) must be explicit."""
+    has_theta = "rope_theta" in d or "rope_theta" in (d.get("rope_parameters") or {})
+    out = [Failure(key, "not in config.json: the engines would use Qwen3Config's default, not the trainer's")
+           for key in EXPLICIT_KEYS if not (has_theta if key == "rope_theta" else key in d)]
+    try:
+        hf = engine_view.engine_config(drafter_dir)
+    except (ValueError, TypeError, OSError) as e:
+        return out + [Failure("config", f"transformers' Qwen3Config cannot parse it: {e}")]
+    explicit_missing = {f.field for f in out}
+    engine = {k: getattr(hf, k, None) for k in ENGINE_FIELDS} | {"rope_theta": rope_theta_of(hf)}
+    trainer = {k: getattr(cfg, v) for k, v in ENGINE_FIELDS.items()} | {"rope_theta": cfg.rope_theta}
+    engine["layer_types"] = tuple(engine["layer_types"] or ())
+    if "sliding_attention" in cfg.layer_types:
+        engine["sliding_window"], trainer["sliding_window"] = getattr(hf, "sliding_window", None), cfg.sliding_window
+    for key in engine:
+        if key not in explicit_missing and engine[key] != trainer[key]:
+            out.append(Failure(key, f"the engines read {engine[key]!r}, the trainer {trainer[key]!r}"))
+    return out
+
+
+def check_training(cfg: DrafterConfig, trained: DrafterConfig) -> list[Failure]:
+    """The written config reads back as the config the drafter was trained with."""
+    out = []
+    for f in dataclasses.fields(DrafterConfig):
+        if f.compare and getattr(cfg, f.name) != getattr(trained, f.name):
+            out.append(Failure(f"training.{f.name}", f"config.json says {getattr(cfg, f.name)!r} but the drafter "
+                                                     f"was trained with {getattr(trained, f.name)!r}"))
+    return out
+
+
+def check_weights(shapes: dict, cfg: DrafterConfig, skip_fc: bool = False) -> list[Failure]:
+    """Exact key set and shapes, as stored (`model.` prefix and shared tensors are failures)."""
+    out = []
+    prefixed = sorted(n for n in shapes if n.startswith(engine_view.SKIPPED_PREFIX))
+    if prefixed:
+        out.append(Failure("weights.prefix", f"{len(prefixed)} tensors carry a `model.` prefix (e.g. {prefixed[0]}): "
+                                             "the z-lab format has none"))
+    plain = {n.removeprefix(engine_view.SKIPPED_PREFIX): s for n, s in shapes.items()}
+    shared = sorted(n for n in plain if n.endswith(FORBIDDEN_WEIGHTS))
+    if shared:
+        out.append(Failure("weights.shared", f"carries {shared}: vLLM would use them instead of the target's "
+                                             "embedding and lm_head, SGLang ignores them"))
+    with torch.device("meta"):
+        expected = {k: tuple(v.shape) for k, v in DFlashDrafter(cfg).state_dict().items()}
+    missing = sorted(set(expected) - set(plain))
+    unexpected = sorted(set(plain) - set(expected) - set(shared))
+    if missing:
+        out.append(Failure("weights.missing", f"{missing[:8]}{' ...' if len(missing) > 8 else ''} "
+                                              f"({len(missing)}): neither engine checks, both would serve random "
+                                              "weights there"))
+    if unexpected:
+        out.append(Failure("weights.unexpected", f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''}: "
+                                                 "unknown names, which the engines skip"))
+    wrong = [f"{n} {list(plain[n])} (config implies {list(s)})" for n, s in expected.items()
+             if n in plain and plain[n] != s and not (skip_fc and n == "fc.weight")]
+    if wrong:
+        out.append(Failure("weights.shape", "; ".join(wrong[:4])))
+    return out
+
+
+def check_target_identity(d: dict, target: TargetInfo) -> list[Failure]:
+    """The target given is the one recorded at export (nothing to compare for a drafter without
+    a record, e.g. a published one)."""
+    rec = (d.get("dflash_config") or {}).get(TRAINED_AGAINST)
+    if not isinstance(rec, dict):
+        return []
+    out = []
+    trained = f"{rec.get('name')} ({rec.get('quantization') or 'unquantised'}, {rec.get('path')})"
+    if rec.get("config_sha256") != target.config_sha256:
+        out.append(Failure("target.config", f"{target.name} ({target.path}) has config {target.config_sha256}, the "
+                                            f"drafter was trained against {trained}: {rec.get('config_sha256')}"))
+    if rec.get("weights_fingerprint") != target.weights_fingerprint:
+        out.append(Failure("target.weights", f"{target.name} ({target.path}) is not the model the drafter was "
+                                             f"trained against ({trained}): {serve_note(rec)}"))
+    return out
+
+
+def check_forward(drafter_dir: Path, d: dict, cfg: DrafterConfig, trained: DFlashDrafter | None) -> list[Failure]:
+    """One block after CONTEXT_LEN positions: the engines' view equals the trainer's training forward."""
+    from safetensors.torch import load_file
+
+    tensors = {n: t for path in sorted(drafter_dir.glob("*.safetensors")) for n, t in load_file(str(path)).items()}
+    stored_dtype = next(iter(tensors.values())).dtype
+    if trained is None:
+        ours = load_zlab(drafter_dir, dtype=torch.float32)
+    else:  # the exported weights are the trained ones rounded to the stored dtype
+        ours = copy.deepcopy(trained).to("cpu", stored_dtype).float()
+    gen = torch.Generator().manual_seed(0)
+    B, C, H = cfg.block_size, CONTEXT_LEN, cfg.hidden_size
+    taps = torch.randn(1, C + 1, cfg.num_taps * H, generator=gen)  # the anchor's own tap is never seen
+    block = torch.randn(1, B, H, generator=gen)
+    positions = torch.cat([torch.arange(C + 1), C + torch.arange(B)])[None]  # [1, C+1+B]
+    masks = build_training_masks(MaskSpec(C + 1, B, 1, cfg.sliding_window), cfg.layer_types,
+                                 torch.tensor([[C]]), torch.ones(1, 1, dtype=torch.bool), "dense")
+    with torch.no_grad():
+        want = ours(block, taps, positions, masks, "dense")[0]  # [B, H]
+        try:
+            got = engine_view.engine_forward(engine_view.engine_config(drafter_dir), d.get("dflash_config") or {},
+                                             engine_view.engine_weights(tensors), taps[0, :C], block[0])
+        except (KeyError, RuntimeError) as e:
+            return [Failure("forward", f"the engines' view of the drafter does not run: {type(e).__name__}: {e}")]
+    err, scale = (got - want).abs().max().item(), want.abs().max().item()
+    if not err <= FORWARD_RTOL * max(scale, 1.0):
+        return [Failure("forward", f"the drafter as the engines load it differs from the trainer's forward: "
+                                   f"max |diff| {err:.3g} (outputs up to {scale:.3g})")]
+    return []
+
+
+def serve_instructions(drafter_dir: str | Path) -> str:
+    """Serve commands for an exported drafter, naming the target it was trained against and
+    `num_speculative_tokens` = block_size - 1 (vLLM never reads block_size)."""
+    d = json.loads((Path(drafter_dir) / "config.json").read_text())
+    dflash = d.get("dflash_config") or {}
+    block_size = dflash.get("block_size", d.get("block_size"))
+    rec = dflash.get(TRAINED_AGAINST)
+    target = rec["serve"] if isinstance(rec, dict) and rec.get("serve") else "TARGET"
+    spec = json.dumps({"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": block_size - 1})
+    return (f"serve it with (target: {serve_note(rec)}):\n"
+            f"  vLLM:   vllm serve {target} --speculative-config '{spec}' --attention-backend flash_attn\n"
+            f"  SGLang: python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
+            f"--speculative-draft-model-path {drafter_dir} --speculative-num-draft-tokens {block_size}")

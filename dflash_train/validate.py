@@ -1,0 +1,275 @@
+"""Checks of a whole resolved config, and of the topology for training, before any model or data is
+loaded: a bad setting fails at once (not after the target has loaded eight times), with every
+problem found listed, each naming its `section.field` and the fix.
+
+`validate_config` checks what any command reads (allowed values, positive sizes, fractions); the
+per-command functions add what that command needs (a field that must be set, a file that must
+exist); `validate_run` adds the training run's topology and batch arithmetic. The doctor's parent
+process runs these too and never imports torch, so neither does this module.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dflash_train.config import ConfigError, RunConfig, allowed_values, settings
+from dflash_train.diagnostics.doctor import STAGE_KINDS
+
+if TYPE_CHECKING:  # only for the annotation: topology.py imports torch
+    from dflash_train.train.topology import Topology
+
+BUILTIN_DATA = ("default", "chitchat")
+BUILTIN_TARGETS = ("smollm2",)
+
+# Fields that must be > 0 (when set: None keeps its meaning).
+POSITIVE = (
+    "drafter.num_layers", "drafter.num_taps", "drafter.sliding_window", "drafter.init_norm_scale",
+    "data.max_len", "data.max_samples", "data.text_prompt_tokens", "data.regen_max_new_tokens", "data.regen_batch_size", "data.shard_mb",
+    "data.prepare_batch_tokens", "loss.gamma", "loss.chunk_tokens", "loss.train_vocab", "loss.temperature",
+    "optim.lr", "train.epochs", "train.max_steps", "train.max_minutes", "train.num_anchors", "train.seqs_per_step",
+    "train.micro_batch", "train.log_every", "train.eval_every", "train.ckpt_every", "train.keep_last",
+    "train.watchdog_seconds", "topology.target_ranks", "topology.max_in_flight", "eval.max_new_tokens",
+    "eval.sim_anchors_per_seq", "eval.block_size", "doctor.stage_timeout", "plan.gpus", "plan.gpu_memory_gib",
+)
+# Fields that must be >= 0 (when set).
+NON_NEGATIVE = (
+    "drafter.mask_token_id", "data.min_loss_tokens", "data.regen_temperature", "optim.weight_decay",
+    "optim.grad_clip", "eval.num_prompts", "eval.temperature",
+)
+# Fields in a half-open [low, high) or closed [low, high] range: key -> (low, high, closed).
+RANGES = {
+    "data.eval_fraction": (0.0, 1.0, False),
+    "optim.warmup_ratio": (0.0, 1.0, False),
+    "optim.min_lr_ratio": (0.0, 1.0, True),
+    "loss.kl_weight": (0.0, 1.0, True),
+}
+
+
+def _fail(problems: list[str]) -> None:
+    """Raise one ConfigError listing every problem (one is the common case)."""
+    if len(problems) == 1:
+        raise ConfigError(problems[0])
+    if problems:
+        raise ConfigError(f"{len(problems)} config problems: " + "; ".join(problems))
+
+
+def config_problems(cfg: RunConfig) -> list[str]:
+    """What is wrong with any field, whatever the command: allowed values, signs, ranges."""
+    problems = []
+    for key, value, tp in settings(cfg):
+        choices = allowed_values(tp)
+        if choices is not None and value is not None and value not in choices:
+            problems.append(f"{key}={value!r}: expected one of {', '.join(choices)}")
+        elif value is None or isinstance(value, bool):
+            continue
+        elif key in POSITIVE and value <= 0:
+            problems.append(f"{key}={value}: must be > 0")
+        elif key in NON_NEGATIVE and value < 0:
+            problems.append(f"{key}={value}: must be >= 0")
+        elif key in RANGES:
+            low, high, closed = RANGES[key]
+            if not (low <= value <= high if closed else low <= value < high):
+                problems.append(f"{key}={value}: must be in [{low}, {high}{']' if closed else ')'}")
+    if cfg.drafter.block_size < 2:
+        problems.append(f"drafter.block_size={cfg.drafter.block_size}: must be >= 2 (slot 0 is the anchor, "
+                        "the drafter predicts slots 1..block_size-1)")
+    if cfg.eval.block_size is not None and cfg.eval.block_size < 2:
+        problems.append(f"eval.block_size={cfg.eval.block_size}: must be >= 2")
+    beta1, beta2 = cfg.optim.betas
+    if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
+        problems.append(f"optim.betas={cfg.optim.betas}: both must be in [0, 1)")
+    if cfg.target.layer_ids is not None and (min(cfg.target.layer_ids, default=0) < 0 or not cfg.target.layer_ids):
+        problems.append(f"target.layer_ids={cfg.target.layer_ids}: expected non-negative layer indices")
+    return problems
+
+
+def validate_config(cfg: RunConfig) -> None:
+    _fail(config_problems(cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+# Files and required fields
+
+
+def _looks_local(model: str) -> bool:
+    """A target spec meant as a local path (a hub id is `org/name`: one slash, no leading dot)."""
+    return model.startswith(("/", ".", "~")) or model.endswith(".gguf") or model.count("/") >= 2
+
+
+def target_problems(cfg: RunConfig) -> list[str]:
+    model, gguf = cfg.target.model, cfg.target.gguf_file
+    if model in BUILTIN_TARGETS:
+        return []
+    path = Path(model).expanduser()
+    if _looks_local(model) and not path.exists():
+        return [f"target.model={model}: no such file or directory (expected smollm2, a local HF directory, "
+                "an already-cached hub id or a .gguf file)"]
+    if gguf is not None and path.is_dir() and not (path / gguf).is_file():
+        return [f"target.gguf_file={gguf}: not found in {path}"]
+    return []
+
+
+def data_problems(cfg: RunConfig) -> list[str]:
+    train = cfg.data.train
+    if train in BUILTIN_DATA or Path(train).expanduser().exists():
+        return []
+    return [f"data.train={train}: no such file or directory (expected {' or '.join(BUILTIN_DATA)}, a JSONL or "
+            "parquet file, or an HF dataset saved to disk)"]
+
+
+def _required(cfg: RunConfig, key: str, what: str) -> list[str]:
+    section, name = key.split(".")
+    return [] if getattr(getattr(cfg, section), name) is not None else [f"{key} is not set: {what} ({key}=...)"]
+
+
+def _drafter_dir_problems(key: str, value: str | None) -> list[str]:
+    if value is not None and not (Path(value).expanduser() / "config.json").is_file():
+        return [f"{key}={value}: no config.json there: not a z-lab drafter directory (a training run's "
+                "`drafter/`, or a published DFlash drafter)"]
+    return []
+
+
+def _prompt_set_problems(spec: str | None) -> list[str]:
+    """eval.prompts names sets (chitchat, assistant, humaneval, ...) and JSONL paths."""
+    # local: the prompt-set module reads the data package (torch, tokenizers); validation stays light
+    from dflash_train.eval.prompt_sets import resolve_prompt_sets
+
+    try:
+        resolve_prompt_sets(spec)
+    except (ValueError, FileNotFoundError) as e:
+        return [f"eval.prompts={spec}: {e}"]
+    return []
+
+
+def _file_problems(key: str, value: str | None) -> list[str]:
+    if value is not None and not Path(value).expanduser().exists():
+        return [f"{key}={value}: no such file or directory"]
+    return []
+
+
+# ---------------------------------------------------------------------------------------------
+# Per command
+
+
+def check_topology(cfg: RunConfig, world_size: int) -> list[str]:
+    """The topology settings against the number of processes (before a Topology is built)."""
+    mode, targets = cfg.topology.mode, cfg.topology.target_ranks
+    if mode != "disaggregated":
+        return []
+    if world_size < 2:
+        return ["topology.mode=disaggregated needs at least 2 processes (1 target + 1 drafter rank): run under "
+                "torchrun --nproc-per-node=N, or use topology.mode=colocated"]
+    if not 1 <= targets < world_size:
+        return [f"topology.target_ranks={targets} leaves no drafter rank in a world of {world_size} processes: "
+                f"use topology.target_ranks=1..{world_size - 1}"]
+    return []
+
+
+def batch_problems(cfg: RunConfig, num_drafters: int) -> list[str]:
+    """seqs_per_step must split evenly over drafter ranks and micro-batches; name the nearest fixes."""
+    seqs, micro = cfg.train.seqs_per_step, cfg.train.micro_batch
+    per_step = micro * num_drafters
+    if seqs <= 0 or micro <= 0 or seqs % per_step == 0:
+        return []
+    below, above = seqs // per_step * per_step, (seqs // per_step + 1) * per_step
+    nearest = "train.seqs_per_step=" + " or ".join(str(v) for v in (below, above) if v > 0)
+    return [f"train.seqs_per_step={seqs} is not a multiple of train.micro_batch ({micro}) x drafter ranks "
+            f"({num_drafters}) = {per_step}: use {nearest}"]
+
+
+def validate_run(cfg: RunConfig, topo: "Topology") -> None:
+    """Everything a training run can check before loading the target (cheap: every rank runs it)."""
+    problems = config_problems(cfg) + check_topology(cfg, topo.world_size) + batch_problems(cfg, topo.num_drafters)
+    if cfg.topology.mode == "disaggregated" and cfg.train.max_minutes:
+        problems.append("train.max_minutes needs topology.mode=colocated or offline: target ranks must know the "
+                        "step count in advance; set train.max_minutes=none and train.max_steps=N instead")
+    if cfg.topology.device is not None:
+        problems.append(f"topology.device={cfg.topology.device}: train places each rank itself (cuda:LOCAL_RANK "
+                        "or the CPU); set CUDA_VISIBLE_DEVICES instead and leave topology.device=none")
+    if cfg.data.max_samples is not None and cfg.data.max_samples < cfg.train.seqs_per_step:
+        problems.append(f"data.max_samples={cfg.data.max_samples} cannot fill one step of train.seqs_per_step="
+                        f"{cfg.train.seqs_per_step} sequences: raise data.max_samples or lower train.seqs_per_step")
+    problems += _run_input_problems(cfg) + precision_problems(cfg)
+    _fail(problems)
+
+
+def precision_problems(cfg: RunConfig) -> list[str]:
+    """train.precision / target.precision = fp8 need torchao and a CUDA GPU of compute capability
+    >= 8.9; checked here, before the target loads."""
+    options = [key for key, value in (("train.precision", cfg.train.precision),
+                                      ("target.precision", cfg.target.precision)) if value == "fp8"]
+    if not options:
+        return []
+    # local: dflash_train.fp8 imports torch, which this module avoids (the doctor's parent runs it)
+    from dflash_train.fp8 import fp8_problem
+
+    problem = fp8_problem(None)  # the current CUDA device (the GPUs of one job are alike), else the CPU
+    return [f"{key}=fp8: {problem}; set {key}=bf16 to run without FP8" for key in options] if problem else []
+
+
+def _run_input_problems(cfg: RunConfig) -> list[str]:
+    if cfg.topology.mode == "offline":
+        shards = cfg.data.shards
+        if not shards:
+            return ["topology.mode=offline needs data.shards=DIR (written by `dflash-train prepare`)"]
+        if not (Path(shards).expanduser() / "index.json").is_file():
+            return [f"data.shards={shards}: no index.json there; write the shards with `dflash-train prepare "
+                    f"--out {shards}` first"]
+        return target_problems(cfg)
+    return target_problems(cfg) + data_problems(cfg) + _prompt_set_problems(cfg.eval.prompts)
+
+
+def validate_eval(cfg: RunConfig) -> None:
+    _fail(config_problems(cfg) + _required(cfg, "eval.drafter", "the z-lab drafter directory to measure")
+          + _drafter_dir_problems("eval.drafter", cfg.eval.drafter) + target_problems(cfg)
+          + _prompt_set_problems(cfg.eval.prompts))
+
+
+def validate_regenerate(cfg: RunConfig) -> None:
+    _fail(config_problems(cfg) + _required(cfg, "data.regen_out", "the JSONL to write the responses to")
+          + target_problems(cfg) + data_problems(cfg))
+
+
+def validate_prepare(cfg: RunConfig) -> None:
+    problems = config_problems(cfg) + _required(cfg, "data.shards", "the directory to write the shards to")
+    if cfg.data.train == "default":
+        problems.append("data.train=default holds prompts only (no assistant turns to tap): run `dflash-train "
+                        "regenerate --out regenerated.jsonl` first and prepare from data.train=regenerated.jsonl")
+    _fail(problems + target_problems(cfg) + data_problems(cfg))
+
+
+def validate_check(cfg: RunConfig) -> None:
+    _fail(config_problems(cfg) + _required(cfg, "check.drafter", "the exported drafter directory to check")
+          + _drafter_dir_problems("check.drafter", cfg.check.drafter) + target_problems(cfg))
+
+
+def validate_export(cfg: RunConfig) -> None:
+    problems = config_problems(cfg) + _required(cfg, "export.drafter", "the z-lab drafter directory to export")
+    problems += _required(cfg, "export.out", "the output directory")
+    problems += _drafter_dir_problems("export.drafter", cfg.export.drafter)
+    if cfg.export.format == "speculators":  # stores the target's embedding and lm_head
+        problems += target_problems(cfg)
+    _fail(problems)
+
+
+def validate_doctor(cfg: RunConfig) -> None:
+    problems = config_problems(cfg)
+    unknown = sorted(set(cfg.doctor.stages or ()) - set(STAGE_KINDS))
+    if unknown:
+        problems.append(f"doctor.stages: unknown stage(s) {', '.join(unknown)}; expected a subset of "
+                        f"{','.join(STAGE_KINDS)}")
+    if cfg.doctor.check_target:
+        problems += target_problems(cfg)
+    _fail(problems)
+
+
+def validate_plan(cfg: RunConfig) -> None:
+    """target.model is a shape name, an HF directory or a config.json (plan.py reads its config only)."""
+    _fail(config_problems(cfg) + target_problems(cfg))
+
+
+def world_size_from_env() -> int:
+    """WORLD_SIZE as torchrun sets it; a plain run is a world of one."""
+    return int(os.environ.get("WORLD_SIZE", "1"))

@@ -1,0 +1,224 @@
+"""`check_drafter` / `dflash-train check`: each way an export would be served wrong fails with its
+own field, and the default export passes. Real parts: the tiny random Qwen3 target saved as an HF
+directory, a tiny drafter exported for it, the real SmolLM2 GGUF for the quantised case."""
+
+import dataclasses
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_train import cli
+from dflash_train.model.config import drafter_config_from_target
+from dflash_train.model.drafter import DFlashDrafter
+from dflash_train.model.hf_format import export_drafter, load_zlab, save_zlab
+from dflash_train.model.serving_check import ServingContractError, check_drafter, serve_instructions
+from dflash_train.model.target_identity import describe_target
+from tests.conftest import tiny_qwen3
+
+MASK_ID = 3
+
+
+def tiny_drafter(target_config, seed=0, **overrides) -> DFlashDrafter:
+    cfg = drafter_config_from_target(target_config, num_layers=2, block_size=4, mask_token_id=MASK_ID, num_taps=2)
+    drafter = DFlashDrafter(dataclasses.replace(cfg, **overrides))
+    drafter.reset_parameters(std=0.2, generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # norms away from one, so a mix-up of norm weights changes the output
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5, generator=gen)
+    return drafter
+
+
+@pytest.fixture(scope="module")
+def target(tiny_qwen3_dir):
+    return describe_target(str(tiny_qwen3_dir))
+
+
+@pytest.fixture(scope="module")
+def good_export(tiny_qwen3_target, tiny_qwen3_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("export") / "drafter"
+    return export_drafter(tiny_drafter(tiny_qwen3_target.config), out, str(tiny_qwen3_dir))
+
+
+@pytest.fixture
+def bad(good_export, tmp_path):
+    """A copy of the good export to break: (dir, config dict, tensors, write())."""
+    out = tmp_path / "bad"
+    shutil.copytree(good_export, out)
+    config = json.loads((out / "config.json").read_text())
+    tensors = load_file(str(out / "model.safetensors"))
+
+    def write():
+        (out / "config.json").write_text(json.dumps(config))
+        save_file(tensors, str(out / "model.safetensors"))
+        return out
+
+    return out, config, tensors, write
+
+
+def fields(failures) -> set[str]:
+    return {f.field for f in failures}
+
+
+def test_the_default_export_passes_and_records_its_target(good_export, target):
+    assert check_drafter(good_export, target) == []
+    recorded = json.loads((good_export / "config.json").read_text())["dflash_config"]["trained_against"]
+    assert recorded == target.provenance()
+    assert recorded["num_layers"] == 6 and recorded["hidden_size"] == 64 and recorded["quantization"] is None
+    assert load_zlab(good_export).config.extra["dflash_config"]["trained_against"] == recorded  # carried through
+
+
+def test_a_renamed_key_fails(bad, target):
+    out, _, tensors, write = bad
+    tensors["layers.0.mlp.up.weight"] = tensors.pop("layers.0.mlp.up_proj.weight")
+    failures = check_drafter(write(), target)
+    assert fields(failures) == {"weights.missing", "weights.unexpected"}
+    assert all("layers.0.mlp.up" in f.message for f in failures)
+
+
+def test_a_model_prefix_fails(bad, target):
+    out, _, tensors, write = bad
+    for name in list(tensors):
+        tensors["model." + name] = tensors.pop(name)
+    failures = check_drafter(write(), target)
+    assert fields(failures) == {"weights.prefix"} and "model." in failures[0].message
+
+
+def test_shared_embeddings_fail(bad, target):
+    out, _, tensors, write = bad
+    tensors["lm_head.weight"] = torch.zeros(7, 64, dtype=torch.bfloat16)
+    assert fields(check_drafter(write(), target)) == {"weights.shared"}
+
+
+def test_a_wrong_vocab_fails(bad, target):
+    out, config, _, write = bad
+    config["vocab_size"] = target.vocab_size + 64
+    failures = check_drafter(write(), target)
+    assert fields(failures) == {"vocab_size"} and str(target.vocab_size) in failures[0].message
+
+
+def test_a_mask_token_outside_the_table_fails(bad, target):
+    out, config, _, write = bad
+    config["dflash_config"]["mask_token_id"] = target.vocab_size
+    assert "dflash_config.mask_token_id" in fields(check_drafter(write(), target))
+
+
+def test_a_last_layer_tap_is_refused_when_derived_and_fails_the_check(tiny_qwen3_target, target, tmp_path):
+    with pytest.raises(ValueError, match="last layer 5.*final norm.*vLLM.*SGLang"):
+        drafter_config_from_target(tiny_qwen3_target.config, num_layers=2, block_size=4, mask_token_id=MASK_ID,
+                                   target_layer_ids=[1, 5])
+    drafter = tiny_drafter(tiny_qwen3_target.config, target_layer_ids=(1, 5))
+    failures = check_drafter(save_zlab(drafter, tmp_path / "d"), target)
+    assert fields(failures) == {"dflash_config.target_layer_ids"}
+    assert "last layer 5" in failures[0].message and "SGLang never captures it" in failures[0].message
+    with pytest.raises(ValueError, match="last layer"):
+        drafter.config.check_target(target.hidden_size, target.num_layers, target.vocab_size)
+
+
+def test_repeated_derived_taps_are_refused(tiny_qwen3_target):
+    """z-lab's formula repeats ids when L - 3 < num_taps; the engines capture a layer once."""
+    with pytest.raises(ValueError, match=r"\[1, 2, 2, 2, 3\] are not strictly increasing.*3 distinct"):
+        drafter_config_from_target(tiny_qwen3_target.config, num_layers=1, block_size=4, mask_token_id=MASK_ID)
+
+
+def test_unordered_layer_ids_and_a_tap_count_fc_does_not_take_fail(bad, target):
+    out, config, _, write = bad
+    config["dflash_config"]["target_layer_ids"] = [3, 1, 2]
+    failures = [f for f in check_drafter(write(), target) if f.field == "dflash_config.target_layer_ids"]
+    assert any("strictly increasing" in f.message for f in failures)
+    assert any("fc.weight" in f.message and "takes 2 taps" in f.message for f in failures)
+
+
+def test_a_mismatched_block_size_fails(bad, target):
+    out, config, _, write = bad
+    config["dflash_config"]["block_size"] = 8
+    failures = check_drafter(write(), target)
+    assert fields(failures) == {"block_size"} and "dflash_config.block_size" in failures[0].message
+
+
+def test_a_block_size_other_than_training_fails_at_export(tiny_qwen3_target, good_export, target):
+    trained = tiny_drafter(tiny_qwen3_target.config, block_size=8)
+    failures = check_drafter(good_export, target, trained=trained)
+    assert "training.block_size" in fields(failures)
+
+
+def test_a_missing_head_dim_fails(bad, target):
+    """Qwen3Config's default head_dim (128) is not the trainer's hidden/heads (16)."""
+    out, config, _, write = bad
+    del config["head_dim"]
+    failures = check_drafter(write(), target)
+    assert fields(failures) == {"head_dim"} and "default" in failures[0].message
+
+
+def test_a_rope_theta_the_engines_read_otherwise_fails(bad, target):
+    out, config, _, write = bad
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10.0}
+    assert "rope_theta" in fields(check_drafter(write(), target))
+
+
+def test_an_engine_only_key_that_changes_the_forward_fails_the_forward(bad, target):
+    """`is_causal` is honoured by vLLM and ignored by our trainer: only the forward can see it."""
+    out, config, _, write = bad
+    config["is_causal"] = True
+    failures = check_drafter(write(), target)
+    assert fields(failures) == {"forward"} and "max |diff|" in failures[0].message
+
+
+def test_a_wrong_target_fails(good_export, tiny_qwen3_target, tmp_path):
+    same_shape = tmp_path / "other_seed"
+    tiny_qwen3(tiny_qwen3_target.vocab_size, seed=1).save_pretrained(same_shape)
+    failures = check_drafter(good_export, describe_target(str(same_shape)))
+    assert fields(failures) == {"target.weights"} and str(same_shape) in failures[0].message
+    deeper = tmp_path / "deeper"
+    tiny_qwen3(tiny_qwen3_target.vocab_size, layers=8).save_pretrained(deeper)
+    failures = check_drafter(good_export, describe_target(str(deeper)))
+    assert {"num_target_layers", "target.config", "target.weights"} <= fields(failures)
+
+
+def test_export_fails_loudly_for_a_drafter_that_does_not_fit_its_target(tiny_qwen3_target, tmp_path):
+    narrow = tiny_qwen3(tiny_qwen3_target.vocab_size, hidden=32)
+    narrow.save_pretrained(tmp_path / "narrow")
+    with pytest.raises(ServingContractError) as info:
+        export_drafter(tiny_drafter(tiny_qwen3_target.config), tmp_path / "d", str(tmp_path / "narrow"))
+    assert fields(info.value.failures) == {"hidden_size"}
+    assert "hidden_size: 64 but the target" in str(info.value)
+
+
+def test_check_command_collects_all_failures_then_a_verdict(bad, tiny_qwen3_dir, capsys):
+    out, config, tensors, write = bad
+    config["dflash_config"]["block_size"] = 8
+    tensors["model.fc.weight"] = tensors.pop("fc.weight")
+    assert cli.main(["check", str(write()), "--target", str(tiny_qwen3_dir)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("check: FAIL block_size:") for line in lines)
+    assert any(line.startswith("check: FAIL weights.prefix:") for line in lines)
+    assert lines[-1].startswith("dflash-train check: FAILED:") and "block_size" in lines[-1]
+
+
+def test_check_command_passes_and_prints_serve_commands(good_export, tiny_qwen3_dir, capsys):
+    assert cli.main(["check", str(good_export), "--target", str(tiny_qwen3_dir)]) == 0
+    output = capsys.readouterr().out
+    assert f"vllm serve {tiny_qwen3_dir} " in output and '"num_speculative_tokens": 3' in output
+    assert output.splitlines()[-1].startswith("dflash-train check: OK")
+
+
+def test_export_command_records_the_target_and_checks(good_export, tiny_qwen3_dir, tmp_path, capsys):
+    out = tmp_path / "re-exported"
+    assert cli.main(["export", "--drafter", str(good_export), "--out", str(out), "--target", str(tiny_qwen3_dir)]) == 0
+    assert "passes the serving check" in capsys.readouterr().out
+    recorded = json.loads((out / "config.json").read_text())["dflash_config"]["trained_against"]
+    assert recorded["path"] == str(tiny_qwen3_dir)
+
+
+def test_a_gguf_trained_drafter_is_served_with_the_converted_dir(tiny_qwen3_target, tmp_path):
+    smollm2 = describe_target("smollm2")
+    assert smollm2.quantization == "gguf Q4_1" and smollm2.num_layers == 30 and smollm2.hidden_size == 576
+    out = save_zlab(tiny_drafter(tiny_qwen3_target.config), tmp_path / "d", trained_against=smollm2.provenance())
+    text = serve_instructions(out)
+    assert f"vllm serve {smollm2.serve} " in text and f"--model-path {smollm2.serve} " in text
+    assert '"num_speculative_tokens": 3' in text and "--speculative-num-draft-tokens 4" in text
+    assert "gguf Q4_1" in text and "converted HF directory" in text
