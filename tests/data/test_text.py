@@ -63,7 +63,7 @@ def _config(model_dir, docs, out, *extra):
         f"target.model={model_dir}", f"data.train={docs}", f"train.out_dir={out}", "target.dtype=float32",
         "data.format=text", "data.text_prompt_tokens=12", "data.regen_max_new_tokens=10", "data.eval_fraction=0.34",
         "train.max_steps=2", "train.seqs_per_step=2", "train.compile=off", "train.attention=sdpa",
-        "eval.num_prompts=0", *extra])
+        "eval.num_prompts=0", "drafter.num_taps=3", *extra])  # 6 target layers: 3 distinct taps
 
 
 def test_split_point_and_document_reading(tmp_path):
