@@ -115,13 +115,16 @@ def test_continuations_are_the_targets_greedy_ones_with_loss_on_them_only(tiny_q
     assert kept[0].input_ids == tok(DOCUMENTS[0])["input_ids"][:20] and sum(kept[0].loss_mask) == 8
 
 
-@pytest.mark.parametrize("regenerate", ["true", "false"])
-def test_a_base_model_trains_on_text_continuations(base_model_dir, documents, tmp_path, regenerate):
+@pytest.mark.parametrize("regenerate, loss", [("true", "ce"), ("false", "ce"), ("true", "kl")])
+def test_a_base_model_trains_on_text_continuations(base_model_dir, documents, tmp_path, regenerate, loss):
     """regenerate=true takes the taps kept while the target writes the continuations; false tokenizes
-    the documents' own continuations and taps them every step."""
+    the documents' own continuations and taps them every step. A distillation loss (kl) also keeps the
+    target's final hidden states of the regeneration pass."""
     out = tmp_path / "run"
-    result = train(_config(base_model_dir, documents, out, f"data.regenerate={regenerate}"))
+    result = train(_config(base_model_dir, documents, out, f"data.regenerate={regenerate}", f"loss.kind={loss}"))
     assert result["steps"] == 2 and (out / "drafter" / "config.json").is_file()
+    if regenerate == "true":
+        assert len(list((out / "data").glob(f"tapped-*{'-final' if loss == 'kl' else ''}.safetensors"))) == 1
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 2 and all(0 < loss < 20 for loss in losses)
