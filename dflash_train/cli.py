@@ -23,7 +23,7 @@ from dflash_train.config import (ConfigError, RunConfig, apply_overrides, descri
                                  sections, settings)
 
 COMMANDS = {name: f"dflash_train.commands.{name}" for name in ("train", "eval", "regenerate", "prepare", "doctor",
-                                                                  "export", "check")}
+                                                                  "export", "check", "plan")}
 
 
 class _Parser(argparse.ArgumentParser):

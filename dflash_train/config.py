@@ -70,6 +70,13 @@ class DataConfig:
     """`default`, `chitchat`, `synthesize` (prompts written by the target), a JSONL file (ShareGPT or
     OpenAI shape), an HF dataset saved to disk, or parquet; or a mix by weight,
     `default:0.5,synthesize:0.5`, of `max_samples` in all (data/dataset.py `parse_train_spec`)."""
+    format: Literal["chat", "text"] = "chat"
+    """chat: conversations through the target's chat template, loss on assistant turns. text: plain-text
+    continuation for base models without a chat template (data/text.py): each document (a `text` field,
+    or a .txt file's blank-line-separated paragraphs) splits into a prompt and a continuation, which the
+    target regenerates when `regenerate`; loss on the continuation only."""
+    text_prompt_tokens: int = 64
+    """text format: tokens of each document given as the prompt (at most half the document)."""
     eval_fraction: float = 0.02
     max_len: int = 3072
     min_loss_tokens: int = 2
@@ -264,6 +271,14 @@ class DoctorConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    gpus: int = 8
+    """GPUs available to `dflash-train plan` (one process per GPU)."""
+    gpu_memory_gib: float = 139.8
+    """Memory of one GPU in GiB (an H200: 139.8, what torch reports)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     drafter: DrafterConfigSpec = field(default_factory=DrafterConfigSpec)
@@ -276,6 +291,7 @@ class RunConfig:
     export: ExportConfig = field(default_factory=ExportConfig)
     doctor: DoctorConfig = field(default_factory=DoctorConfig)
     check: CheckConfig = field(default_factory=CheckConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

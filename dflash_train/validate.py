@@ -26,12 +26,12 @@ BUILTIN_TARGETS = ("smollm2",)
 # Fields that must be > 0 (when set: None keeps its meaning).
 POSITIVE = (
     "drafter.num_layers", "drafter.num_taps", "drafter.sliding_window", "drafter.init_norm_scale",
-    "data.max_len", "data.max_samples", "data.regen_max_new_tokens", "data.regen_batch_size", "data.shard_mb",
+    "data.max_len", "data.max_samples", "data.text_prompt_tokens", "data.regen_max_new_tokens", "data.regen_batch_size", "data.shard_mb",
     "data.prepare_batch_tokens", "loss.gamma", "loss.chunk_tokens", "loss.train_vocab", "loss.temperature",
     "optim.lr", "train.epochs", "train.max_steps", "train.max_minutes", "train.num_anchors", "train.seqs_per_step",
     "train.micro_batch", "train.log_every", "train.eval_every", "train.ckpt_every", "train.keep_last",
     "train.watchdog_seconds", "topology.target_ranks", "topology.max_in_flight", "eval.max_new_tokens",
-    "eval.sim_anchors_per_seq", "eval.block_size", "doctor.stage_timeout",
+    "eval.sim_anchors_per_seq", "eval.block_size", "doctor.stage_timeout", "plan.gpus", "plan.gpu_memory_gib",
 )
 # Fields that must be >= 0 (when set).
 NON_NEGATIVE = (
@@ -270,6 +270,11 @@ def validate_doctor(cfg: RunConfig) -> None:
     if cfg.doctor.check_target:
         problems += target_problems(cfg)
     _fail(problems)
+
+
+def validate_plan(cfg: RunConfig) -> None:
+    """target.model is a shape name, an HF directory or a config.json (plan.py reads its config only)."""
+    _fail(config_problems(cfg) + target_problems(cfg))
 
 
 def world_size_from_env() -> int:

@@ -51,9 +51,10 @@ def device_of(cfg, fallback: str | None = None) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_configured_target(cfg, fallback_device: str | None = None):
-    """The target as `cfg.target` describes it, on `device_of(cfg)`."""
+def load_configured_target(cfg, fallback_device: str | None = None, check_tokenizer=None):
+    """The target as `cfg.target` describes it, on `device_of(cfg)`; `check_tokenizer(tokenizer)` runs
+    before the weights load (`load_target`)."""
     from dflash_train.model.target import load_target  # imports torch (see the module docstring)
 
     return load_target(cfg.target.model, cfg.target.gguf_file, cfg.target.dtype, device_of(cfg, fallback_device),
-                       cfg.target.trust_remote_code)
+                       cfg.target.trust_remote_code, check_tokenizer=check_tokenizer)

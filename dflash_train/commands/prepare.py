@@ -27,11 +27,14 @@ ALIASES = (
 def run(cfg) -> str:
     from dflash_train.data.conversations import read_conversations, tokenize_conversations
     from dflash_train.data.shards import bytes_per_token, prepare_shards
+    from dflash_train.data.text import check_data_format
     from dflash_train.model.taps import build_target_layer_ids
 
     d = cfg.data
     conversations, bad = read_conversations(d.train, d.skip_bad_rows, d.max_samples, cfg.train.seed)
-    target = load_configured_target(cfg)
+    # conversations go through the chat template: a base model without one fails before its weights load
+    target = load_configured_target(cfg, check_tokenizer=lambda tok: check_data_format("chat", tok,
+                                                                                        cfg.target.model))
     samples, bad = tokenize_conversations(target.tokenizer, conversations, d.max_len, d.min_loss_tokens,
                                           d.thinking, bad)
     print(f"prepare: {len(samples)} samples from {len(conversations)} conversations; {bad.summary()}", flush=True)

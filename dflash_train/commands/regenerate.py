@@ -23,11 +23,14 @@ ALIASES = (
 def run(cfg) -> str:
     from dflash_train.data.conversations import read_conversations
     from dflash_train.data.regenerate import regenerate
+    from dflash_train.data.text import check_data_format
 
     d = cfg.data
     conversations, bad = read_conversations(d.train, d.skip_bad_rows, d.max_samples, cfg.train.seed)
     print(f"regenerate: {len(conversations)} conversations from {d.train}; {bad.summary()}", flush=True)
-    target = load_configured_target(cfg)
+    # conversations go through the chat template: a base model without one fails before its weights load
+    target = load_configured_target(cfg, check_tokenizer=lambda tok: check_data_format("chat", tok,
+                                                                                        cfg.target.model))
     r = regenerate(target, conversations, d.regen_out, d.regen_max_new_tokens, d.regen_batch_size,
                    d.regen_temperature, d.thinking, cfg.train.seed)
     rate = r.new_tokens / r.seconds if r.seconds else 0.0

@@ -27,6 +27,7 @@ from dflash_train.data.regenerate import regenerate
 from dflash_train.data.rows import BadRows
 from dflash_train.data.synthesize import SynthSettings, synthesize_prompts
 from dflash_train.data.train_spec import SYNTHESIZE, parse_train_spec
+from dflash_train.data.text import continuation_samples, continuations_with_taps
 
 Paired = TypeVar("Paired")
 
@@ -53,7 +54,8 @@ def split_held_out(samples: Sequence[Sample], fraction: float, paired: Sequence[
 
 def cache_key(cfg: DataConfig, target_name: str, seed: int) -> str:
     parts = json.dumps([train_key(cfg), cfg.max_len, cfg.min_loss_tokens, cfg.thinking, cfg.max_samples, cfg.regenerate,
-                        cfg.regen_max_new_tokens, target_name, seed, 2], sort_keys=True)
+                        cfg.regen_max_new_tokens, target_name, seed, 2]
+                       + ([cfg.format, cfg.text_prompt_tokens] if cfg.format != "chat" else []), sort_keys=True)
     return hashlib.sha256(parts.encode()).hexdigest()[:16]
 
 
@@ -71,6 +73,8 @@ def prepare_samples(cfg: DataConfig, target, target_name: str, work_dir: Path, s
 
 def _tokenize_into(out: Path, cfg: DataConfig, target, target_name: str, work_dir: Path, seed: int, log,
                    heartbeat) -> None:
+    if cfg.format == "text":  # base models: plain-text continuations (data/text.py)
+        return _write_samples(out, continuation_samples(cfg, target, seed, log, heartbeat), cfg)
     conversations, bad = read_train_conversations(cfg, target, target_name, work_dir, seed, log, heartbeat)
     log(f"data: {len(conversations)} conversations from {cfg.train}; {bad.summary()}")
     if cfg.regenerate:
@@ -78,8 +82,12 @@ def _tokenize_into(out: Path, cfg: DataConfig, target, target_name: str, work_di
     samples, bad = tokenize_conversations(target.tokenizer, conversations, cfg.max_len, cfg.min_loss_tokens,
                                           cfg.thinking, bad)
     log(f"data: {len(samples)} tokenized samples; {bad.summary()}")
+    _write_samples(out, samples, cfg, bad.summary())
+
+
+def _write_samples(out: Path, samples, cfg: DataConfig, why: str = "see the log above") -> None:
     if not samples:
-        raise ValueError(f"data {cfg.train!r}: no usable samples ({bad.summary()})")
+        raise ValueError(f"data {cfg.train!r}: no usable samples ({why})")
     out.write_text("".join(json.dumps({"id": s.id, "input_ids": s.input_ids, "loss_mask": s.loss_mask})
                            + "\n" for s in samples))
 
@@ -119,11 +127,18 @@ def prepare_tapped(cfg: DataConfig, target, target_name: str, layer_ids: list[in
 
 def _regenerate_and_tap(cfg: DataConfig, target, target_name: str, layer_ids: list[int], work_dir: Path, seed: int,
                         log, heartbeat, final_hidden: bool = False):
+    if cfg.format == "text":  # base models: plain-text continuations (data/text.py)
+        return _checked_tapped(cfg, *continuations_with_taps(cfg, target, layer_ids, seed, log, heartbeat,
+                                                             final_hidden), log)
     conversations, bad = read_train_conversations(cfg, target, target_name, work_dir, seed, log, heartbeat)
     log(f"data: {len(conversations)} conversations from {cfg.train}; {bad.summary()}")
     tapped, report = regenerate_with_taps(target, conversations, layer_ids, cfg.regen_max_new_tokens,
                                           cfg.regen_batch_size, cfg.max_len, cfg.thinking, cfg.min_loss_tokens,
                                           heartbeat=heartbeat, final_hidden=final_hidden)
+    return _checked_tapped(cfg, tapped, report, log)
+
+
+def _checked_tapped(cfg: DataConfig, tapped, report: dict, log):
     log(f"data: regenerated and tapped {report['samples']} samples, {report['new_tokens']} new tokens in "
         f"{report['seconds']:.0f}s ({report['new_tokens'] / max(report['seconds'], 1e-9):.0f} tok/s); "
         f"skipped {report['skipped']}")

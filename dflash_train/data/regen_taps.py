@@ -82,6 +82,12 @@ class TappedSamples:
         return cls(samples, tap_list, final_list if final is not None else None)
 
 
+def has_recurrent_layers(config) -> bool:
+    """Hybrid targets (Qwen3-Next / Qwen3.5 style): some layers carry a recurrent state, not a KV cache."""
+    text = getattr(config, "text_config", None) or config
+    return "linear_attention" in (getattr(text, "layer_types", None) or ())
+
+
 def _position_tensors(hidden_states, layer_ids: list[int], final_hidden: bool) -> dict[str, torch.Tensor]:
     """{"taps": [b, P, K*H], "final_hidden": [b, P, H]} of one forward's `hidden_states`; HF's
     last entry is after the final norm (Llama, Qwen3, ...; tests/data/test_regen_taps.py)."""
@@ -101,13 +107,18 @@ def _generate_batch(target, prompts: list[list[int]], layer_ids: list[int], max_
     A row that has produced its end-of-turn token leaves the batch and the KV cache at once
     (`DynamicCache.batch_select_indices`): on a CPU the cost of a decode step grows with the rows
     in it, and chat replies differ in length by 5x, so finished rows would waste most of the work.
+    Hybrid targets (linear-attention layers) keep finished rows in the batch, their outputs ignored:
+    transformers' batch selection does not cover their recurrent states, and their cache is the
+    model's own (config-aware) one.
     """
     model = target.model
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop_ids[0]
     ids, mask = (t.to(target.device) for t in left_pad(prompts, pad))
-    cache, cache_arg = new_cache(), cache_kwarg(type(model))
+    cache_arg, recurrent = cache_kwarg(type(model)), has_recurrent_layers(model.config)
     out = model(input_ids=ids, attention_mask=mask, position_ids=mask_positions(mask),
-                use_cache=True, output_hidden_states=True, logits_to_keep=1, **{cache_arg: cache})
+                use_cache=True, output_hidden_states=True, logits_to_keep=1,
+                **({} if recurrent else {cache_arg: new_cache()}))  # hybrid: the model's own cache
+    cache = getattr(out, cache_arg)
     width = ids.shape[1]
     prompt_tensors = _position_tensors(out.hidden_states, layer_ids, final_hidden)  # name -> [b, P, width]
     responses = [[] for _ in prompts]
@@ -115,15 +126,20 @@ def _generate_batch(target, prompts: list[list[int]], layer_ids: list[int], max_
     active = list(range(len(prompts)))
     next_tok = out.logits[:, -1].argmax(-1)  # [b]
     positions = mask.sum(-1)  # next position of each active row
+    finished = set()  # rows done but still in the batch (hybrid targets only)
     for _ in range(max_new_tokens):
         keep = []
         for j, (row, token) in enumerate(zip(active, next_tok.tolist())):
+            if row in finished:
+                continue
             responses[row].append(token)
             if token not in stop_ids and len(responses[row]) < max_new_tokens:
                 keep.append(j)
+            else:
+                finished.add(row)
         if not keep:
             break
-        if len(keep) < len(active):
+        if len(keep) < len(active) and not recurrent:
             index = torch.tensor(keep, device=ids.device)
             cache.batch_select_indices(index)
             mask, next_tok, positions = mask[index], next_tok[index], positions[index]
@@ -133,7 +149,8 @@ def _generate_batch(target, prompts: list[list[int]], layer_ids: list[int], max_
                     use_cache=True, output_hidden_states=True, **{cache_arg: cache})
         step = _position_tensors(out.hidden_states, layer_ids, final_hidden)  # name -> [b', 1, width]
         for j, row in enumerate(active):
-            fed[row].append({name: t[j, 0].to(storage_dtype) for name, t in step.items()})
+            if row not in finished:
+                fed[row].append({name: t[j, 0].to(storage_dtype) for name, t in step.items()})
         next_tok, positions = out.logits[:, -1].argmax(-1), positions + 1
     return [_row(prompt, responses[r], width, {n: t[r] for n, t in prompt_tensors.items()}, fed[r], storage_dtype)
             for r, prompt in enumerate(prompts)]
@@ -160,13 +177,23 @@ def regenerate_with_taps(target, conversations, layer_ids: list[int], max_new_to
                          final_hidden: bool = False) -> tuple[TappedSamples, dict]:
     """Greedy target responses for every conversation's last user turn, with their taps (and the
     final hidden states, for a distillation loss, when `final_hidden`)."""
-    stop_ids = end_of_turn_ids(target)
     encoded = []
     for conv in conversations:
         text = render_chat(target.tokenizer, prompt_messages(conv.messages), add_generation_prompt=True,
                            thinking=thinking)
         encoded.append((conv.id, target.tokenizer(text, add_special_tokens=False)["input_ids"]))
-    encoded.sort(key=lambda e: -len(e[1]))  # little padding per batch; an OOM shows at once
+    return regenerate_prompts_with_taps(target, encoded, layer_ids, max_new_tokens, batch_size, max_len,
+                                        min_loss_tokens, storage_dtype, heartbeat, final_hidden)
+
+
+def regenerate_prompts_with_taps(target, encoded: list[tuple[str, list[int]]], layer_ids: list[int],
+                                 max_new_tokens: int, batch_size: int, max_len: int, min_loss_tokens: int = 2,
+                                 storage_dtype: torch.dtype = torch.bfloat16, heartbeat=None,
+                                 final_hidden: bool = False) -> tuple[TappedSamples, dict]:
+    """Greedy target continuations of token-id prompts `(id, ids)`, with their taps (and final hidden
+    states when `final_hidden`); the chat and the plain-text formats share this."""
+    stop_ids = end_of_turn_ids(target)
+    encoded = sorted(encoded, key=lambda e: -len(e[1]))  # little padding per batch; an OOM shows at once
     samples, kept, skipped, new_tokens = [], [], {"too_long": 0, "too_few_loss_tokens": 0}, 0
     start = time.perf_counter()
     bar = tqdm(total=len(encoded), unit="prompt", desc="regenerate+tap", dynamic_ncols=True)

@@ -111,11 +111,37 @@ def _text_config(target_config):
 
 
 def rope_theta_of(cfg) -> float:
-    """rope_theta of an HF config: `rope_parameters` (transformers 5) or the older attribute."""
+    """rope_theta of an HF config: `rope_parameters` (transformers 5) or the older attribute. Targets with
+    RoPE per layer type (Gemma 3: local 1e4, global 1e6) give their full-attention one, the long-range
+    setting the drafter's full layers need."""
     params = getattr(cfg, "rope_parameters", None) or {}
+    if isinstance(params, dict) and isinstance(params.get(FULL), dict):
+        params = params[FULL]
     if isinstance(params, dict) and "rope_theta" in params:
         return float(params["rope_theta"])
     return float(getattr(cfg, "rope_theta", 10000.0) or 10000.0)
+
+
+MAX_ENGINE_HEAD_DIM = 256
+"""FlashAttention's largest head size; vLLM serves DFlash drafters only on its flash_attn backend."""
+
+
+def check_servable(cfg, head_dim: int) -> None:
+    """Refuse targets whose drafter the engines (vLLM, SGLang, spec 3.1/3.3) could not run as trained:
+    a head size FlashAttention lacks (> 256), or a target that scales its embeddings or caps its logits (Gemma),
+    which this trainer's drafter does not reproduce (`dflash_config.input_embedding_scale` /
+    `final_logit_softcapping` are not written), so acceptance would collapse at inference."""
+    name = getattr(cfg, "model_type", "target")
+    if head_dim > MAX_ENGINE_HEAD_DIM:
+        raise ValueError(f"{name}: head_dim {head_dim} cannot be served: the engines' FlashAttention backend "
+                         f"takes at most {MAX_ENGINE_HEAD_DIM}")
+    if str(name).startswith("gemma"):
+        raise ValueError(f"{name}: the target scales its input embeddings by sqrt(hidden_size); the drafter "
+                         "reads the raw embedding table and exports no input_embedding_scale, so engines would "
+                         "feed it differently scaled inputs than training did (not supported yet)")
+    if getattr(cfg, "final_logit_softcapping", None):
+        raise ValueError(f"{name}: final_logit_softcapping={cfg.final_logit_softcapping} is not reproduced by "
+                         "the drafter's loss or export (not supported yet)")
 
 
 def _intermediate_size(cfg) -> int:
@@ -136,6 +162,8 @@ def drafter_config_from_target(target_config, *, num_layers: int, block_size: in
     """
     cfg = _text_config(target_config)
     heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    check_servable(cfg, head_dim)
     n_target = cfg.num_hidden_layers
     ids = list(target_layer_ids) if target_layer_ids is not None else build_target_layer_ids(n_target, num_taps)
     if any(b <= a for a, b in zip(ids, ids[1:])):
@@ -154,7 +182,7 @@ def drafter_config_from_target(target_config, *, num_layers: int, block_size: in
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        head_dim=head_dim,
         vocab_size=vocab_size or cfg.vocab_size,
         block_size=block_size,
         mask_token_id=mask_token_id,

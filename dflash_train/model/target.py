@@ -131,8 +131,12 @@ def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtyp
 
 
 def load_target(model: str, gguf_file: str | None = None, dtype: str | torch.dtype = "auto",
-                device: str | torch.device = "cpu", trust_remote_code: bool = False) -> "Target":
+                device: str | torch.device = "cpu", trust_remote_code: bool = False,
+                check_tokenizer=None) -> "Target":
     """Load a frozen (eval, no grad) target and its tokenizer; never downloads.
+
+    `check_tokenizer(tokenizer)` runs before the weights load, so a tokenizer the run cannot use
+    (e.g. no chat template for chat data) fails in seconds.
 
     A GGUF target is converted once to an HF dir under `cache_root()` and loaded from there.
     dtype `auto` = bfloat16 on CUDA, float32 on CPU.
@@ -149,6 +153,8 @@ def load_target(model: str, gguf_file: str | None = None, dtype: str | torch.dty
     kwargs = dict(local_files_only=True, trust_remote_code=trust_remote_code)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+        if check_tokenizer is not None:
+            check_tokenizer(tokenizer)
         hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, use_safetensors=True, **kwargs)
     except OSError as e:
         if Path(path).is_dir():

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_train.config import RunConfig
+from dflash_train.data.text import check_data_format
 from dflash_train.diagnostics.watchdog import Watchdog
 from dflash_train.eval.evaluate import evaluate
 from dflash_train.eval.prompt_sets import load_prompt_sets
@@ -115,7 +116,8 @@ def _prepare(p: Process) -> Setup:
     cfg, topo = p.cfg, p.topo
     with p.watchdog.stage("load target"):
         target = load_target(cfg.target.model, cfg.target.gguf_file, cfg.target.dtype, p.device,
-                             cfg.target.trust_remote_code)
+                             cfg.target.trust_remote_code, check_tokenizer=lambda tok: check_data_format(
+                                 cfg.data.format, tok, cfg.target.model, cfg.eval.num_prompts))
         if cfg.target.precision == "fp8":
             target.quantize_fp8(log=p.log)  # before compile_layers and the regeneration pass
     dcfg = setup.build_drafter_config(cfg, target)

@@ -10,7 +10,6 @@ import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from dflash_train.config import LossConfig, RunConfig
 from dflash_train.data.records import Conversation
