@@ -52,13 +52,12 @@ def test_a_step_trains_every_drafter_parameter_and_leaves_the_frozen_target_unto
     drafter = DFlashDrafter(dcfg)
     drafter.reset_parameters(generator=torch.Generator().manual_seed(0))
     start = [p.detach().clone() for p in drafter.parameters()]
-    ctx = StepContext(embed_weight=target.embed_weight, lm_head_weight=target.lm_head_weight, block_size=4,
-                      mask_token_id=96, layer_types=dcfg.layer_types, sliding_window=None, gamma=2.0,
-                      chunk_tokens=16, backend="sdpa", device=torch.device("cpu"), autocast_dtype=None)
+    ctx = StepContext(embed_weight=target.embed_weight, lm_head_weight=target.lm_head_weight, drafter=dcfg,
+                      gamma=2.0, chunk_tokens=16, backend="sdpa", device=torch.device("cpu"), autocast_dtype=None)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, 96, (2, 24), generator=gen)
     mb = MicroBatch(["a", "b"], ids, torch.ones_like(ids), torch.ones_like(ids), torch.tensor([[2, 9], [5, 15]]),
-                    torch.ones(2, 2, dtype=torch.bool), taps=torch.randn(2, 24, 3 * 64, generator=gen))
+                    torch.ones(2, 2, dtype=torch.bool), {"taps": torch.randn(2, 24, 3 * 64, generator=gen)})
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     for _ in range(2):
