@@ -32,13 +32,16 @@ def smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(_smollm2_hf_dir(), local_files_only=True)
 
 
-def tiny_qwen3(vocab_size: int, seed: int = 0, layers: int = 6, hidden: int = 64, tie: bool = True):
+def tiny_qwen3(vocab_size: int, seed: int = 0, layers: int = 6, hidden: int = 64, tie: bool = True,
+               init_std: float = 0.02):
+    """A seeded random Qwen3; `init_std` is HF's initializer_range (its default 0.02 gives a nearly
+    flat tied lm_head, so a drafter's loss hardly moves from ln V; 0.2 lets training show)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     cfg = Qwen3Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=vocab_size,
-                      tie_word_embeddings=tie, max_position_embeddings=4096)
+                      tie_word_embeddings=tie, max_position_embeddings=4096, initializer_range=init_std)
     return Qwen3ForCausalLM(cfg).eval().requires_grad_(False)
 
 
@@ -52,10 +55,10 @@ def tiny_qwen3_target(smollm2_tokenizer):
     return Target(model=model, tokenizer=smollm2_tokenizer, name="tiny-qwen3")
 
 
-def save_tiny_qwen3_dir(out: Path, tokenizer) -> Path:
+def save_tiny_qwen3_dir(out: Path, tokenizer, init_std: float = 0.02) -> Path:
     """Save the seeded tiny Qwen3 over `tokenizer` as an HF directory (the `tiny_qwen3_dir` fixture;
     also used by tests/golden/regenerate.py, which runs outside pytest)."""
-    model = tiny_qwen3(len(tokenizer))
+    model = tiny_qwen3(len(tokenizer), init_std=init_std)
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)

@@ -26,9 +26,18 @@ def test_tiny_recipe_runs_end_to_end_on_smollm2(tmp_path):
     assert config["dflash_config"]["target_layer_ids"] == [1, 8, 14, 20, 27]  # z-lab ids for 30 layers
     report = json.loads((out / "eval" / "report.json").read_text())
     assert set(report["sets"]) == {"assistant", "chitchat"}
-    for figures in report["sets"].values():
-        assert figures["tau"] >= 1.0 and figures["num_prompts"] == 2
+    for figures in report["sets"].values():  # greedy on a float32 target: speculation must be lossless
+        assert figures["num_prompts"] == 2 and figures["identical_outputs"] == 2, figures
     assert (out / "eval" / "acceptance_per_position.png").is_file()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert any("loss" in r for r in records) and any("eval" in r for r in records)
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    # The 4 steps trained the drafter: the held-out figures at the last step beat the untrained
+    # drafter's. Measured 2026-12-01 on this recipe and seed, on the same regenerated data (its cache
+    # copied into a fresh out_dir): with optim.lr=0 (the untrained drafter, evaluated at steps 2 and 4)
+    # held-out loss 8.826 and simulated tau 1.000 (no draft token accepted in 48 blocks); trained
+    # (this run) 7.700 and 1.042. Margins are half the measured gains; a pipeline that does not learn,
+    # or a stub, stays at the untrained figures.
+    held_out = [r["eval"] for r in records if "eval" in r][-1]
+    assert held_out["loss"] < 8.826 - 0.55, held_out
+    assert held_out["sim_tau"] > 1.000 + 0.02, held_out
     assert "vllm serve" in proc.stdout and "--speculative-algorithm DFLASH" in proc.stdout

@@ -5,7 +5,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,15 +24,15 @@ LINE = re.compile(r"^(PASS|WARN|FAIL)  (\S+): (.*?)(?:  -> (.*))?$")
 VERDICT = re.compile(r"^dflash-train doctor: (OK \((\d+) PASS, (\d+) WARN\)|FAILED \((\d+) FAIL: (.*)\))$")
 
 
-def run_cli(*args: str, inject: str | None = None, timeout: float = 600) -> tuple[subprocess.CompletedProcess, float]:
+def run_cli(*args: str, inject: str | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
+    """The doctor as a user runs it. `timeout` is only a safety bound: past it the test fails with
+    TimeoutExpired; no test asserts how long the doctor took."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     env.pop("DFLASH_DOCTOR_INJECT", None)
     if inject:
         env["DFLASH_DOCTOR_INJECT"] = inject
-    t0 = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "dflash_train", "doctor", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "dflash_train", "doctor", *args], capture_output=True,
                           text=True, timeout=timeout, env=env, cwd=REPO)
-    return proc, time.monotonic() - t0
 
 
 def stage_lines(stdout: str) -> dict[str, re.Match]:
@@ -43,7 +42,7 @@ def stage_lines(stdout: str) -> dict[str, re.Match]:
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     report = tmp_path_factory.mktemp("doctor") / "doctor.json"
-    proc, _ = run_cli("--quick", "--devices", "cpu", "--json", str(report))
+    proc = run_cli("--quick", "--devices", "cpu", "--json", str(report))
     return proc, json.loads(report.read_text())
 
 
@@ -58,11 +57,15 @@ def test_quick_doctor_on_cpu_ends_with_an_ok_verdict(quick_run):
     assert int(m[2]) + int(m[3]) == len(stages)
     assert "torch 2." in stages["versions"][3]
     assert re.search(r"FX-tracing flag (process-wide|per-thread)$", stages["versions"][3])
+    # the compiled flex path ran (no eager fallback) and stayed compiled after warm-up
     assert "healthy after warm-up: 0 new graphs" in stages["compile[cpu]"][3]
-    attention_s = re.search(r"attention fwd \(flex has no CPU backward\) ([\d.]+)s", stages["compile[cpu]"][3])
-    assert float(attention_s[1]) > 0.5  # a cold compile in a fresh cache really happened
-    ratio = float(re.search(r"= ([\d.]+)x", stages["speed[cpu]"][3])[1])
-    assert ratio > 1.0  # compiled flex beats the dense eager path even on CPU (10x here, 1.9x on 32 cores)
+    assert "0 eager flex calls" in stages["compile[cpu]"][3]
+    assert re.search(r"attention fwd \(flex has no CPU backward\) [\d.]+s", stages["compile[cpu]"][3])
+    # the speed figure is eager / compiled of the two timings it prints (how fast is the machine's business)
+    speed = re.search(r"compiled ([\d.]+) ms vs eager ([\d.]+) ms per fwd = ([\d.]+)x", stages["speed[cpu]"][3])
+    compiled_ms, eager_ms, ratio = map(float, speed.groups())
+    assert compiled_ms > 0 and eager_ms > 0
+    assert ratio == pytest.approx(eager_ms / compiled_ms, abs=0.06, rel=0.02)  # printed to 0.1x and 0.01 ms
     assert float(re.search(r"([\d.]+) GB/s", stages["p2p[gloo]"][3])[1]) > 0
 
 
@@ -78,9 +81,12 @@ def test_json_report_matches_the_printed_lines(quick_run):
 
 
 def test_a_hanging_stage_is_reported_with_its_stack_and_later_stages_still_run():
+    """The hung stage is stopped at its limit and its stack shown; the doctor goes on to the next
+    stages and exits 1. Had the hung stage process been left running, it would hold the output pipe
+    open and `run_cli` would fail on its timeout instead of returning."""
     limit = 10
-    proc, elapsed = run_cli("--stages", "versions,devices,disk", "--stage-timeout", str(limit),
-                            inject="hang:versions,fail:devices", timeout=300)
+    proc = run_cli("--stages", "versions,devices,disk", "--stage-timeout", str(limit),
+                   inject="hang:versions,fail:devices", timeout=300)
     stages = stage_lines(proc.stdout)
     assert stages["versions"][1] == "FAIL"
     assert f"no result within the {limit}s stage limit; stuck in _injected_hang" in stages["versions"][3]
@@ -90,18 +96,19 @@ def test_a_hanging_stage_is_reported_with_its_stack_and_later_stages_still_run()
     assert stages["disk"][1] in ("PASS", "WARN") and "GiB free" in stages["disk"][3]
     assert proc.stdout.strip().splitlines()[-1] == "dflash-train doctor: FAILED (2 FAIL: versions, devices)"
     assert proc.returncode == 1
-    assert elapsed < limit + 60  # killed at its limit (plus the stack grace), not left running
+    order = [m[2] for m in map(LINE.match, proc.stdout.splitlines()) if m]
+    assert order == ["versions", "devices", "disk"]  # reported in plan order, the hung one first
 
 
 def test_an_injected_failure_fails_the_run_with_exit_code_1():
-    proc, _ = run_cli("--stages", "disk", inject="fail:disk", timeout=120)
+    proc = run_cli("--stages", "disk", inject="fail:disk", timeout=120)
     assert stage_lines(proc.stdout)["disk"][1] == "FAIL"
     assert proc.stdout.strip().splitlines()[-1] == "dflash-train doctor: FAILED (1 FAIL: disk)"
     assert proc.returncode == 1
 
 
 def test_a_crashing_stage_is_a_fail_not_a_doctor_crash():
-    proc, _ = run_cli("--stages", "disk", inject="crash:disk", timeout=120)
+    proc = run_cli("--stages", "disk", inject="crash:disk", timeout=120)
     assert "stage process exited with code 7 without a result" in stage_lines(proc.stdout)["disk"][3]
     assert proc.returncode == 1
 

@@ -88,20 +88,27 @@ def test_context_cache_grows_incrementally_like_one_prefill():
         torch.testing.assert_close(v0, v1)
 
 
-def test_gradients_reach_only_the_trainable_set():
+def test_gradients_reach_the_drafter_and_only_the_block_inputs_it_is_given():
+    """The drafter owns no embedding or lm_head (the target's stay frozen outside it: an optimizer
+    over `drafter.parameters()` cannot touch them), every drafter parameter gets a gradient, and
+    the block sees only its anchor token and mask tokens: given an embedding that requires grad,
+    exactly those rows receive one (a label leaking into the block input would add rows)."""
     drafter = tiny_drafter().float()
-    embed = torch.randn(97, 64)  # the target's, frozen: no grad
-    taps = torch.randn(1, 20, 3 * 64)
+    gen = torch.Generator().manual_seed(5)
+    embed = torch.randn(97, 64, generator=gen).requires_grad_(True)
+    lm_head = torch.randn(97, 64, generator=gen).requires_grad_(True)
+    taps = torch.randn(1, 20, 3 * 64, generator=gen)
     anchors, keep = torch.tensor([[3, 10]]), torch.tensor([[True, True]])
     masks = build_training_masks(MaskSpec(20, 4, 2), drafter.config.layer_types, anchors, keep, "sdpa")
-    ids = torch.randint(0, 96, (1, 20))
+    ids = torch.randint(0, 96, (1, 20), generator=gen)
     out = drafter(embed[block_inputs(ids, anchors, 4, 96)], taps, position_ids(20, anchors, 4), masks, "sdpa")
-    (out @ embed.T).logsumexp(-1).sum().backward()
-    names = {n for n, _ in drafter.named_parameters()}
-    prefixes = {n.split(".")[0] for n in names}
+    (out @ lm_head.T).logsumexp(-1).sum().backward()
+    prefixes = {n.split(".")[0] for n, _ in drafter.named_parameters()}
     assert prefixes == {"layers", "fc", "hidden_norm", "norm"}
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in drafter.parameters())
-    assert embed.grad is None
+    fed_rows = {int(ids[0, 3]), int(ids[0, 10]), 96}  # the two anchor tokens and the mask token
+    assert {int(r) for r in embed.grad.abs().sum(-1).nonzero()} == fed_rows
+    assert bool((lm_head.grad.abs().sum(-1) > 0).all())  # the logsumexp reaches every lm_head row
 
 
 def test_drafter_config_validation_names_the_field():
