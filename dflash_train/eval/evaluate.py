@@ -86,7 +86,7 @@ def _decode_both(drafter, target, ids: torch.Tensor, opts: dict, seed: int) -> t
 
 
 def _run_sets(drafter, target, encoded: dict[str, list[torch.Tensor]], opts: dict, seed: int,
-              progress: bool) -> dict[str, tuple[list[SpecResult], list[GenResult]]]:
+              progress: bool, heartbeat=None) -> dict[str, tuple[list[SpecResult], list[GenResult]]]:
     """Decode every prompt of every set, with a progress bar showing both decoders' tokens/s."""
     results: dict[str, tuple[list[SpecResult], list[GenResult]]] = {}
     total = sum(len(v) for v in encoded.values())
@@ -103,6 +103,8 @@ def _run_sets(drafter, target, encoded: dict[str, list[torch.Tensor]], opts: dic
                 bar.set_postfix_str(f"{name} tau {spec.tau:.2f} spec {spec_tok / max(spec_s, 1e-9):.1f} tok/s "
                                     f"target {plain_tok / max(plain_s, 1e-9):.1f} tok/s")
                 bar.update(1)
+                if heartbeat is not None:  # a slow machine's eval is progress, not a stall
+                    heartbeat(f"real eval: {name} prompt {i + 1}/{len(prompts)}")
             results[name] = (spec_list, plain_list)
     return results
 
@@ -110,8 +112,9 @@ def _run_sets(drafter, target, encoded: dict[str, list[torch.Tensor]], opts: dic
 def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[dict]]], *,
              max_new_tokens: int = 128, temperature: float = 0.0, thinking: bool | None = None,
              block_size: int | None = None, seed: int = 0, out_dir: str | Path | None = None,
-             progress: bool = True, warmup: bool = True) -> dict:
-    """Real speculative decoding vs plain target decoding on each prompt set.
+             progress: bool = True, warmup: bool = True, heartbeat=None) -> dict:
+    """Real speculative decoding vs plain target decoding on each prompt set (`heartbeat(stage)`, e.g.
+    the watchdog's beat, is called after every prompt).
 
     `target` is a `dflash_train.model.target.Target`; `drafter` an unwrapped `DFlashDrafter` on any
     device (taps and embeddings are moved to it). Returns the report: {"sets": {name: figures},
@@ -134,7 +137,7 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
             first = next(iter(encoded.values()))[0]
             _decode_both(drafter, target, first, opts, seed)
         t0 = time.perf_counter()
-        results = _run_sets(drafter, target, encoded, opts, seed, progress)
+        results = _run_sets(drafter, target, encoded, opts, seed, progress, heartbeat)
     finally:
         drafter.train(was_training)
     report = _assemble(results, block_size, opts, thinking, seed, time.perf_counter() - t0)

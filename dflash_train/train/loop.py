@@ -224,7 +224,7 @@ def _train_drafter(p: Process, s: Setup) -> dict:
         result["checkpoint"] = str(best)
         if cfg.eval.num_prompts > 0 and topo.target_in_process and not p.stop():
             with p.watchdog.stage("real speculative decoding eval"):
-                result.update(_real_eval(cfg, Path(result["export"]), s.target, p.out_dir, log))
+                result.update(_real_eval(cfg, Path(result["export"]), s.target, p.out_dir, log, p.watchdog.beat))
     return _finish_distributed(topo, result)
 
 
@@ -338,13 +338,13 @@ def _eval_prompt_sets(cfg: RunConfig) -> dict:
     return load_prompt_sets(cfg.eval.prompts, cfg.eval.num_prompts)
 
 
-def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log) -> dict:
+def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log, heartbeat) -> dict:
     """Real speculative decoding of the exported drafter against the target, on held-out prompts."""
     drafter = load_zlab(drafter_dir, device=target.device, dtype=target.dtype)
     with torch.compiler.set_stance("force_eager"):  # decoding shapes change every step: no compiled layers
         report = evaluate(drafter, target, _eval_prompt_sets(cfg), max_new_tokens=cfg.eval.max_new_tokens,
                           temperature=cfg.eval.temperature, thinking=cfg.data.thinking, seed=cfg.train.seed,
-                          out_dir=out_dir / "eval")
+                          out_dir=out_dir / "eval", heartbeat=heartbeat)
     for name, figures in report["sets"].items():
         log(f"eval [{name}]: tau {figures['tau']:.3f}, speedup {figures['speedup']:.2f}x, "
             f"{figures['identical_outputs']}/{figures['num_prompts']} outputs identical to plain greedy")
