@@ -15,15 +15,18 @@ import torch
 
 from dflash_train.config import OptimConfig
 
-DECIDE_AFTER = 5  # a time budget measures steps 2..5 (step 1 compiles), then decides the step count
+DECIDE_AFTER = 30  # a time budget decides the step count after this many steps ...
+MEASURE_AFTER = 10  # ... from the rate over the steps after this many: compilation, autotuning and
+# allocator warm-up make the first steps of a GPU run seconds long (measured on an H200: steps 2-5 at
+# ~2 s against ~0.12 s later, so a decision at step 5 ended a 90-second budget after 26 seconds)
 
 
 class TimeBudget:
     """A wall-clock budget turned into a recorded step count. Stateful.
 
     The rule: a run with `max_minutes` trains its first DECIDE_AFTER steps (from the start or the
-    resume point) on the configured schedule, measures the seconds per step over all but the
-    first of them, and then decides `steps` = the steps done + the steps the remaining budget
+    resume point) on the configured schedule, measures the seconds per step over those after the
+    first MEASURE_AFTER (warm-up), and then decides `steps` = the steps done + the steps the remaining budget
     allows at that rate (never more than `total_steps`; all drafter ranks take the smallest).
     The decision is recorded in the checkpoint; from then on the cosine's length is `steps`, so
     the lr is a pure function of the step and that number. A resume with the same budget keeps
@@ -34,6 +37,7 @@ class TimeBudget:
     def __init__(self, minutes: float | None, total_steps: int, decide_after: int = DECIDE_AFTER):
         self.seconds = 60.0 * minutes if minutes else None
         self.total_steps, self.decide_after = total_steps, decide_after
+        self.measure_after = max(1, min(MEASURE_AFTER, decide_after - 2))
         self.steps: int | None = None  # the recorded decision
         self.t0 = time.perf_counter()
         self.start_step, self.measure_from = 0, None
@@ -54,11 +58,11 @@ class TimeBudget:
         agreed between ranks and passed to `record`), else None."""
         if self.seconds is None or self.steps is not None:
             return None
-        if step == self.start_step + 1:
+        if step == self.start_step + self.measure_after:
             self.measure_from = self.elapsed()
         if step != self.start_step + self.decide_after or self.measure_from is None:
             return None
-        per_step = (self.elapsed() - self.measure_from) / (self.decide_after - 1)
+        per_step = (self.elapsed() - self.measure_from) / (self.decide_after - self.measure_after)
         fits = math.floor(max(0.0, self.seconds - self.elapsed()) / max(per_step, 1e-9))
         return min(self.total_steps, step + fits)
 

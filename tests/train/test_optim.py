@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dflash_train.config import OptimConfig
-from dflash_train.train.optim import (MasterWeightAdamW, TimeBudget, build_optimizer, full_precision_weights, lr_factor,
+from dflash_train.train.optim import (DECIDE_AFTER, MEASURE_AFTER, MasterWeightAdamW, TimeBudget, build_optimizer, full_precision_weights, lr_factor,
                                       param_dtype)
 from dflash_train.train.parallel import apply_precision
 from dflash_train.train.step import clip_and_step
@@ -45,6 +45,21 @@ def test_time_budget_decides_the_steps_from_the_measured_rate(monkeypatch):
     assert not budget.spent()
     clock.now += 40.0
     assert budget.spent()  # the clock still ends the run
+
+
+def test_time_budget_leaves_the_warm_up_steps_out_of_its_rate(monkeypatch):
+    """A GPU run's first steps compile and autotune (seconds each): measured on an H200, deciding from
+    them ended a 90-second budget after 26 seconds. The rate comes from the steps after MEASURE_AFTER."""
+    clock = FakeClock()
+    monkeypatch.setattr("dflash_train.train.optim.time.perf_counter", clock)
+    budget = TimeBudget(1.0, total_steps=10_000)  # 60 s, the default DECIDE_AFTER / MEASURE_AFTER
+    budget.start(step=0)
+    proposal = None
+    for step in range(1, DECIDE_AFTER + 1):
+        clock.now += 2.0 if step <= MEASURE_AFTER else 0.1
+        proposal = budget.propose(step) or proposal
+    spent = MEASURE_AFTER * 2.0 + (DECIDE_AFTER - MEASURE_AFTER) * 0.1
+    assert abs(proposal - (DECIDE_AFTER + (60 - spent) / 0.1)) <= 1  # +-1: the floor of a float quotient
 
 
 def test_time_budget_without_minutes_never_decides_and_never_runs_out():
