@@ -61,6 +61,18 @@ def _parquet_rows(path: Path) -> Iterator[tuple[int, object]]:
         yield i, row
 
 
+def file_rows(spec: str) -> Iterator[tuple[int, object]]:
+    """(line or row number, row) of a data file: an HF dataset directory, a parquet or a JSONL file."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return _hf_dataset_rows(path)
+    if path.suffix == ".parquet":
+        return _parquet_rows(path)
+    if path.is_file():
+        return _jsonl_rows(path)
+    raise FileNotFoundError(f"data {spec!r}: not 'default', 'chitchat', a file or a dataset directory")
+
+
 def read_conversations(spec: str, skip_bad_rows: bool = False, max_samples: int | None = None,
                        seed: int = 0) -> tuple[list[Conversation], BadRows]:
     """Read conversations from `default` (the embedded corpus), `chitchat` (its human multi-turn
@@ -72,14 +84,7 @@ def read_conversations(spec: str, skip_bad_rows: bool = False, max_samples: int 
         convs = corpus.chitchat_conversations(split="train")
         return convs[:max_samples] if max_samples else convs, bad
     path = Path(spec).expanduser()
-    if path.is_dir():
-        rows = _hf_dataset_rows(path)
-    elif path.suffix == ".parquet":
-        rows = _parquet_rows(path)
-    elif path.is_file():
-        rows = _jsonl_rows(path)
-    else:
-        raise FileNotFoundError(f"data {spec!r}: not 'default', 'chitchat', a file or a dataset directory")
+    rows = file_rows(spec)
     convs: list[Conversation] = []
     for conv in parse_rows(rows, path.name, skip_bad_rows, bad):
         convs.append(conv)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash_train.config import DataConfig
-from dflash_train.data.conversations import _hf_dataset_rows, _jsonl_rows, _parquet_rows, read_conversations
+from dflash_train.data.conversations import file_rows, read_conversations
 from dflash_train.data.records import Conversation, TokenizedSample
 from dflash_train.data.regen_taps import regenerate_prompts_with_taps
 from dflash_train.data.regenerate import _generate, end_of_turn_ids
@@ -87,14 +87,7 @@ def read_documents(spec: str, skip_bad_rows: bool = False, max_samples: int | No
         return [_joined(c) for c in convs], bad
     if path.suffix == ".txt" and path.is_file():
         return _paragraphs(path)[:max_samples], BadRows()
-    if path.is_dir():
-        rows = _hf_dataset_rows(path)
-    elif path.suffix == ".parquet":
-        rows = _parquet_rows(path)
-    elif path.is_file():
-        rows = _jsonl_rows(path)
-    else:
-        raise FileNotFoundError(f"data {spec!r}: not 'default', 'chitchat', a file or a dataset directory")
+    rows = file_rows(spec)
     docs, bad = [], BadRows()
     for line, row in rows:
         try:

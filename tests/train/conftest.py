@@ -1,6 +1,7 @@
 """A tiny random Qwen3 target with the real SmolLM2 tokenizer, saved as an HF directory, so the
 training tests run the real pipeline (real chitchat data, real chat template) in seconds."""
 
+import signal
 from pathlib import Path
 
 import pytest
@@ -24,3 +25,14 @@ def tiny_target_dir(tmp_path_factory) -> Path:
     Qwen3ForCausalLM(cfg).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+@pytest.fixture
+def contained(monkeypatch, tmp_path):
+    """train() installs SIGTERM/SIGINT handlers and points inductor's cache at the run's parent."""
+    for var in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"):
+        monkeypatch.setenv(var, str(tmp_path / "inductor") if var.endswith("DIR") else "1")
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    yield monkeypatch
+    for sig, handler in handlers.items():
+        signal.signal(sig, handler)

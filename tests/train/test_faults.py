@@ -8,7 +8,6 @@ of one micro-batch, `nan:...`) must end with the same weights and optimizer stat
 """
 
 import json
-import signal
 import subprocess
 
 import pytest
@@ -25,15 +24,6 @@ from dflash_train.train.step import clip_and_step, health_flags
 STEPS, NAN_STEP = 6, 3
 
 
-@pytest.fixture
-def contained(monkeypatch, tmp_path):
-    """train() installs SIGTERM/SIGINT handlers and points inductor's cache at the run's parent."""
-    for var in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"):
-        monkeypatch.setenv(var, str(tmp_path / "inductor") if var.endswith("DIR") else "1")
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    yield monkeypatch
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
 
 
 # --- the optimizers: a skipped step leaves weights and state exactly as they were ---------------

@@ -10,7 +10,6 @@ Sensitivity, measured by hand (2026-12-01, scratch runs through `differences`): 
 """
 
 import os
-import signal
 
 import pytest
 
@@ -23,15 +22,9 @@ KEPT = ("train", "held_out", "steps", "tokens")
 
 
 @pytest.fixture(autouse=True)
-def contained(monkeypatch, tmp_path):
-    """train() installs SIGTERM/SIGINT handlers and points inductor's cache at the run's parent:
-    give both back to pytest afterwards."""
-    for var in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"):
-        monkeypatch.setenv(var, str(tmp_path / "inductor") if var.endswith("DIR") else "1")
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+def _contained(contained):
+    """Every golden run is contained (tests/train/conftest.py)."""
     yield
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,6 @@ fields that fix the global batch order; a change is refused with its name, or (d
 tokenizer, drafter) accepted knowingly with train.allow_changed and a warning."""
 
 import copy
-import signal
 
 import pytest
 import torch
@@ -68,14 +67,6 @@ def test_data_and_tokenizer_fingerprints_see_content_changes(smollm2_tokenizer):
 
 # --- real runs: train 2 steps, then resume with something changed ---------------------------
 
-@pytest.fixture
-def contained(monkeypatch, tmp_path):
-    for var in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"):
-        monkeypatch.setenv(var, str(tmp_path / "inductor") if var.endswith("DIR") else "1")
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
-    yield monkeypatch
-    for sig, handler in handlers.items():
-        signal.signal(sig, handler)
 
 
 def _cfg(target, out, *extra):
