@@ -203,7 +203,12 @@ def stage_p2p(params: dict) -> dict:
 def stage_target(params: dict) -> dict:
     """Load the target and time a tapped forward (the online taps producer's work)."""
     from dflash_train.diagnostics.target_check import target_throughput  # local: imports torch
-    from dflash_train.model.target import load_target  # local: imports torch
+
+    try:  # local: imports torch; a broken or partial install is a FAIL that says so, not a crash
+        from dflash_train.model.target import load_target
+    except ImportError as e:
+        return result("FAIL", f"cannot import dflash_train.model.target.load_target: {e}",
+                      "this dflash-train install is incomplete or broken; reinstall the package")
     r = target_throughput(load_target, params["target"], params["device"], bool(params.get("quick")))
     figure = (f"{params['target']} on {params['device']}: {r['tokens_per_s']:,.0f} tokens/s tapped forward "
               f"({r['batch']}x{r['seq']} tokens, taps {r['layer_ids']}), {r['layers']} layers, hidden "
