@@ -28,7 +28,7 @@ def run(cfg) -> str:
     from dflash_train.data.conversations import read_conversations, tokenize_conversations
     from dflash_train.data.shards import bytes_per_token, prepare_shards
     from dflash_train.data.text import check_data_format
-    from dflash_train.model.taps import build_target_layer_ids
+    from dflash_train.model.config import tap_layer_ids
 
     d = cfg.data
     conversations, bad = read_conversations(d.train, d.skip_bad_rows, d.max_samples, cfg.train.seed)
@@ -41,7 +41,7 @@ def run(cfg) -> str:
     if not samples:
         raise ValueError(f"no sample has {d.min_loss_tokens}+ supervised tokens ({bad.summary()}); "
                          "prompt-only data (such as 'default') needs `dflash-train regenerate` first")
-    layer_ids = list(cfg.target.layer_ids or build_target_layer_ids(target.num_layers, cfg.drafter.num_taps))
+    layer_ids = tap_layer_ids(target.num_layers, cfg.drafter.num_taps, cfg.target.layer_ids)  # as training does
     tap_width = len(layer_ids) * target.hidden_size
     final_hidden = cfg.loss.needs_target_hidden  # a distillation loss reads the target's final hidden state
     final_width = target.hidden_size if final_hidden else 0

@@ -152,6 +152,21 @@ def _intermediate_size(cfg) -> int:
     return int(cfg.intermediate_size)
 
 
+def tap_layer_ids(n_target: int, num_taps: int, explicit=None) -> list[int]:
+    """The tapped layers (z-lab ids) a drafter of `num_taps` taps reads, or `explicit`, checked as the
+    engines need them: strictly increasing (each layer is captured once) and not the last layer.
+    Training and `dflash-train prepare` both take their ids from here, so shards always match."""
+    ids = list(explicit) if explicit is not None else build_target_layer_ids(n_target, num_taps)
+    if any(b <= a for a, b in zip(ids, ids[1:])):
+        raise ValueError(f"target_layer_ids {ids} are not strictly increasing (the engines capture each layer "
+                         f"once): a target of {n_target} layers has {max(n_target - 3, 1)} distinct z-lab taps "
+                         "in [1, L-3]; lower drafter.num_taps or set target.layer_ids")
+    last_tap = last_layer_tap_problem(ids, n_target)
+    if last_tap:
+        raise ValueError(last_tap)
+    return ids
+
+
 def drafter_config_from_target(target_config, *, num_layers: int, block_size: int, mask_token_id: int,
                                target_layer_ids=None, num_taps: int = 5, sliding_window: int | None = None,
                                vocab_size: int | None = None) -> DrafterConfig:
@@ -164,15 +179,7 @@ def drafter_config_from_target(target_config, *, num_layers: int, block_size: in
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     check_servable(cfg, head_dim)
-    n_target = cfg.num_hidden_layers
-    ids = list(target_layer_ids) if target_layer_ids is not None else build_target_layer_ids(n_target, num_taps)
-    if any(b <= a for a, b in zip(ids, ids[1:])):
-        raise ValueError(f"target_layer_ids {ids} are not strictly increasing (the engines capture each layer "
-                         f"once): a target of {n_target} layers has {max(n_target - 3, 1)} distinct z-lab taps "
-                         "in [1, L-3]; lower drafter.num_taps or set target.layer_ids")
-    last_tap = last_layer_tap_problem(ids, n_target)
-    if last_tap:
-        raise ValueError(last_tap)
+    ids = tap_layer_ids(cfg.num_hidden_layers, num_taps, target_layer_ids)
     types = (FULL,) * num_layers
     if sliding_window:
         types = (SLIDING,) * (num_layers - 1) + (FULL,)
@@ -187,7 +194,7 @@ def drafter_config_from_target(target_config, *, num_layers: int, block_size: in
         block_size=block_size,
         mask_token_id=mask_token_id,
         target_layer_ids=tuple(ids),
-        num_target_layers=n_target,
+        num_target_layers=cfg.num_hidden_layers,
         rms_norm_eps=float(getattr(cfg, "rms_norm_eps", 1e-6)),
         rope_theta=rope_theta_of(cfg),
         max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 32768)),

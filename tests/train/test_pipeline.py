@@ -136,7 +136,7 @@ def test_offline_training_from_prepared_shards(tiny_target_dir, tmp_path):
     """prepare writes shards; two drafter ranks (DDP) train from them with no target forward."""
     shards = tmp_path / "shards"
     prep = subprocess.run([sys.executable, "-m", "dflash_train", "prepare", "--target", str(tiny_target_dir),
-                           "--data", "chitchat", "--out", str(shards), "--max-samples", "80", "--max-len", "256"],
+                           "--data", "chitchat", "--out", str(shards), "--max-samples", "80", "--max-len", "256", "--num-taps", "3"],
                           env=env(), capture_output=True, text=True, timeout=240)
     assert prep.returncode == 0, prep.stdout[-2000:] + prep.stderr[-2000:]
     out = tmp_path / "run"
