@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from eval_helpers import BigramLM, tiny_drafter, tiny_qwen3_config, tiny_target
+from eval_helpers import BigramLM, tiny_drafter, tiny_target
 
 from dflash_train.eval import spec_decode
 from dflash_train.eval.spec_decode import accept_greedy, speculative_generate, target_generate
