@@ -28,8 +28,11 @@ def fires(check, cfg, *args, match: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(recipes.RECIPES))
 def test_every_recipe_passes(name):
-    validate.validate_config(recipes.get(name))
-    validate.validate_run(recipes.get(name), ONE)
+    cfg = recipes.get(name)
+    assert validate.config_problems(cfg) == []
+    assert validate.check_topology(cfg, 1) == []
+    validate.validate_config(cfg)  # raise ConfigError on any problem
+    validate.validate_run(cfg, ONE)
 
 
 @pytest.mark.parametrize("key", ["topology.mode", "train.attention", "train.compile", "target.dtype", "loss.kind",
