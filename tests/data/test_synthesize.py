@@ -17,6 +17,7 @@ from dflash_train.data.regenerate import end_of_turn_ids
 from dflash_train.data.synthesize import (NoUserTurnError, Selector, SynthSettings, batch_seed, pre_query_prefix,
                                           sample_batch, synthesize_prompts, synthesized_eval_prompts)
 from dflash_train.model.target import Target
+from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
 from tests.conftest import tiny_qwen3
 
 LLAMA3 = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
@@ -183,6 +184,19 @@ def test_eval_stream_is_disjoint_from_training(ending_target):
     assert all(m[-1]["role"] == "user" for m in held_out)
     assert not set(train) & {m[-1]["content"] for m in held_out}
     assert {batch_seed("train", 0, b) for b in range(100)}.isdisjoint(batch_seed("eval", 0, b) for b in range(100))
+
+
+def test_synthesized_prompt_set_is_the_held_out_stream_cached_beside_the_run(ending_target, tmp_path):
+    data = dataclasses.replace(DataConfig(), synth_max_new_tokens=8, synth_batch_size=4, synth_min_words=1,
+                               synth_max_words=50)
+    context = SetContext(target=ending_target, data=data, seed=0, cache_dir=tmp_path / "data")
+    sets = load_prompt_sets("synthesized,assistant", 5, context)
+    expected = synthesized_eval_prompts(ending_target, 5, seed=0, settings=SynthSettings.from_config(data))
+    assert list(sets) == ["synthesized", "assistant"] and sets["synthesized"] == expected
+    assert len(list((tmp_path / "data").glob("synthesized-eval-*.jsonl"))) == 1
+    assert load_prompt_sets("synthesized", 3, context)["synthesized"] == expected[:3]  # read from the cache
+    with pytest.raises(ValueError, match="needs a loaded target"):
+        load_prompt_sets("synthesized", 3)
 
 
 def test_cache_from_other_settings_is_refused(ending_target, tmp_path):
