@@ -24,7 +24,8 @@ class FaultPlan:
     """A fault to inject, parsed once from FAULT_ENV at start-up, at step S (`count` steps from S
     for nan and skip):
       raise  rank R raises after step S        hang  rank R stalls forever after step S
-      nan    drafter rank R's first micro-batch gets a NaN in its taps before the step (the guard)
+      nan    rank R's first micro-batch of the step gets a NaN in its taps: a drafter rank's as
+             it trains on it, a target rank's before it sends them (the guard, both ways)
       skip   every drafter rank leaves the step's update out on the host (the guard's reference)
     `FaultPlan.from_env()` without the variable injects nothing."""
 
@@ -59,9 +60,13 @@ class FaultPlan:
                 time.sleep(3600)
         raise RuntimeError(f"injected fault ({FAULT_ENV}={self.spec})")
 
+    def poisons(self, rank: int, step: int) -> bool:
+        """nan: whether `rank` puts a NaN in its first micro-batch of `step` (1-based)."""
+        return rank == self.rank and self._hits("nan", step)
+
     def corrupt_taps(self, rank: int, step: int, mbs: list) -> None:
-        """nan: one NaN in the taps of this rank's first micro-batch of `step` (1-based)."""
-        if rank == self.rank and self._hits("nan", step) and mbs:
+        """nan on a drafter rank: one NaN in the taps of its first micro-batch of `step`."""
+        if self.poisons(rank, step) and mbs:
             mbs[0].from_target["taps"].view(-1)[0] = float("nan")
 
     def skips(self, step: int) -> bool:

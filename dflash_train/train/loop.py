@@ -161,7 +161,7 @@ def _serve(p: Process, s: Setup) -> dict:
     for step in range(done + 1, s.total_steps + 1):
         if p.stop():
             break
-        server.serve_step(timed=balance.in_window(step))
+        server.serve_step(timed=balance.in_window(step), poison=p.faults.poisons(topo.rank, step))
         p.watchdog.beat("target: sent step")
         p.watchdog.timeout_s = cfg.train.watchdog_seconds  # warm-up (compilation) is over: strict from now
         p.faults.inject_fault(topo.rank, step)

@@ -205,9 +205,9 @@ class TargetServer:
             for t in target_tensors(self.target, self.layer_ids, mb, self.device, self.feed.spec).values():
                 dist.send(t, dst=self.topo.drafter_ranks[0])
 
-    def serve_step(self, timed: bool = False) -> None:
+    def serve_step(self, timed: bool = False, poison: bool = False) -> None:
         """Compute and send this rank's micro-batches of the next step; `timed` also counts them
-        in the balance timer."""
+        in the balance timer; `poison` puts a NaN in the first one's taps (fault injection)."""
         epoch, indices = self.sampler.next()
         for i, group in enumerate(self.feed.plan.micro_batches(indices)):
             if i % len(self.topo.target_ranks) != self.me:
@@ -217,6 +217,8 @@ class TargetServer:
             for timer in timers:
                 timer.start()
             tensors = target_tensors(self.target, self.layer_ids, mb, self.device, self.feed.spec)
+            if poison:
+                tensors["taps"].view(-1)[0], poison = float("nan"), False
             for timer in reversed(timers):
                 timer.stop(len(group))
             # no stream sync: ProcessGroupNCCL makes its stream wait for this one before the send,
