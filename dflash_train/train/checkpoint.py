@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import transformers
+from safetensors import SafetensorError
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dflash_train import atomic
@@ -105,6 +106,10 @@ class DrafterState:
         self.load_state_dict(loaded.state_dict())
 
 
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (e.g. a full disk); the previous one is untouched."""
+
+
 class Checkpointer:
     """The one manager of resumable state: `save` writes the drafter and every named Stateful,
     `restore` loads them back; `resume_point` finds what to resume from."""
@@ -154,11 +159,16 @@ class Checkpointer:
         """Write step_<step>/ atomically: the drafter and {name: state_dict()} of every Stateful;
         repoint `latest` (and `best`), prune old steps."""
         name = f"step_{step:08d}"
-        with atomic.atomic_dir(self.root / name) as tmp:
-            model.save(tmp / "drafter")
-            torch.save({key: state.state_dict() for key, state in states.items()}, tmp / "trainer.pt")
-            (tmp / "meta.json").write_text(json.dumps({"step": step, "sim_tau": sim_tau, **meta}, indent=2,
-                                                      default=str))
+        try:
+            with atomic.atomic_dir(self.root / name) as tmp:
+                model.save(tmp / "drafter")
+                torch.save({key: state.state_dict() for key, state in states.items()}, tmp / "trainer.pt")
+                (tmp / "meta.json").write_text(json.dumps({"step": step, "sim_tau": sim_tau, **meta}, indent=2,
+                                                          default=str))
+        except (OSError, RuntimeError, SafetensorError) as e:  # torch.save reports a failed write as RuntimeError
+            raise CheckpointWriteError(f"checkpoint {self.root / name} not written ({e}); nothing half-written "
+                                       f"was left, and {self.latest() or 'no earlier checkpoint'} is intact: free "
+                                       "space and continue with --resume") from e
         atomic.point_link(self.root / "latest", name)
         if sim_tau is not None and sim_tau >= self._best_tau():  # ties: the later, more trained one
             atomic.point_link(self.root / "best", name)
