@@ -1,6 +1,6 @@
 """Chaos trials of the 5 + 3 layout (5 target ranks feeding 3 drafter ranks) on CPU, gloo.
 
-    python bench/chaos.py --trials 2 [--steps 12] [--seed 0] [--out runs/chaos]
+    python bench/chaos.py --trials 2 [--steps 12] [--seed 0] [--out runs/chaos] [--targets 5 --drafters 3]
 
 One uninterrupted reference run, then per trial: start the job, wait until the drafters reach a
 random step, SIGKILL or SIGTERM a random rank (target or drafter), and check that
@@ -21,23 +21,37 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[1]
-TARGETS, DRAFTERS = 5, 3
 WATCHDOG_S = 60.0
 
 
-def job(out: Path, steps: int, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={TARGETS + DRAFTERS}",
+@dataclass(frozen=True)
+class Layout:
+    """Target ranks feeding drafter ranks, and the job's length."""
+
+    targets: int = 5
+    drafters: int = 3
+    steps: int = 12
+
+    @property
+    def world(self) -> int:
+        return self.targets + self.drafters
+
+
+def job(out: Path, layout: Layout, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={layout.world}",
             "--monitor-interval=0.5", "-m", "dflash_train", "train", "--recipe", "tiny",
-            "topology.mode=disaggregated", f"topology.target_ranks={TARGETS}", "train.seqs_per_step=6",
-            "data.max_samples=80", "data.regenerate=false", "train.epochs=4",
-            f"train.max_steps={steps}", "train.ckpt_every=2", "train.log_every=1", "train.eval_every=1000",
-            f"train.watchdog_seconds={WATCHDOG_S}", "eval.num_prompts=0", f"train.out_dir={out}", *extra]
+            "topology.mode=disaggregated", f"topology.target_ranks={layout.targets}",
+            f"train.seqs_per_step={2 * layout.drafters}", "data.train=chitchat", "data.max_samples=80",
+            "data.regenerate=false", "train.epochs=4", f"train.max_steps={layout.steps}", "train.ckpt_every=2", "train.log_every=1",
+            "train.eval_every=1000", f"train.watchdog_seconds={WATCHDOG_S}", "eval.num_prompts=0",
+            f"train.out_dir={out}", *extra]
 
 
 def env() -> dict:
@@ -91,43 +105,66 @@ def final_weights(out: Path) -> dict:
     return load_file(str(out / "checkpoints" / "latest" / "drafter" / "model.safetensors"))
 
 
-def trial(index: int, rng: random.Random, steps: int, root: Path, reference: dict) -> list[str]:
-    out = root / f"trial{index}"
-    rank, sig = rng.randrange(TARGETS + DRAFTERS), rng.choice([signal.SIGKILL, signal.SIGTERM])
-    at_step = rng.randrange(2, steps - 1)
-    print(f"trial {index}: {sig.name} to rank {rank} at step {at_step}", flush=True)
-    log = open(out.with_suffix(".log"), "w")
-    proc = subprocess.Popen(job(out, steps), env=env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    while last_step(out) < at_step and proc.poll() is None:
-        time.sleep(0.2)
-    pid = rank_pid(proc.pid, rank)
-    if pid is None:
-        return [f"trial {index}: rank {rank}'s process not found (job ended: {proc.poll()})"]
-    os.kill(pid, sig)
-    killed_at = time.time()
+class TrialAborted(Exception):
+    """The trial could not go on (the rank's process was not found, or the job hung)."""
+
+
+def trial(index: int, rng: random.Random, layout: Layout, root: Path, reference: dict) -> list[str]:
+    """One random fault: a random rank, SIGKILL or SIGTERM, at a random step."""
+    rank, sig = rng.randrange(layout.world), rng.choice([signal.SIGKILL, signal.SIGTERM])
+    return fault_and_resume(f"trial {index}", root / f"trial{index}", layout, rank, sig,
+                            rng.randrange(2, layout.steps - 1), reference)
+
+
+def fault_and_resume(name: str, out: Path, layout: Layout, rank: int, sig: signal.Signals, at_step: int,
+                     reference: dict) -> list[str]:
+    """Start the job, send `sig` to `rank` once the drafters reach `at_step`, check how it ended
+    and what it left on disk, resume it, and compare the final weights with `reference`."""
+    print(f"{name}: {sig.name} to rank {rank} at step {at_step}", flush=True)
     try:
-        code = proc.wait(timeout=WATCHDOG_S * 2 + 60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        return [f"trial {index}: the job did not end within {WATCHDOG_S * 2 + 60:.0f}s of the {sig.name} (a hang)"]
-    log.close()
-    ended_s = time.time() - killed_at
+        problems = kill_at(name, out, layout, rank, sig, at_step)
+    except TrialAborted as e:
+        return [str(e)]
+    resumed = subprocess.run(job(out, layout, "train.resume=true"), env=env(), capture_output=True, text=True)
+    if resumed.returncode != 0:
+        return problems + [f"{name}: resume failed: {resumed.stdout[-1500:]}{resumed.stderr[-1500:]}"]
+    got = final_weights(out)
+    for key, tensor in reference.items():
+        if not torch.allclose(got[key], tensor, rtol=1e-5, atol=1e-7):
+            problems.append(f"{name}: {key} differs from the uninterrupted run "
+                            f"(max abs {float((got[key] - tensor).abs().max()):.3g})")
+    exact = all(torch.equal(got[k], t) for k, t in reference.items())
+    print(f"RESULT {name.replace(' ', '')}_bit_exact={exact}", flush=True)
+    return problems + checkpoint_problems(out)
+
+
+def kill_at(name: str, out: Path, layout: Layout, rank: int, sig: signal.Signals, at_step: int) -> list[str]:
+    """Run the job until `at_step`, signal `rank`; problems: a hang, an unnamed dead rank, a
+    zero exit after SIGKILL, a half-written checkpoint."""
+    with open(out.with_suffix(".log"), "w") as log:
+        proc = subprocess.Popen(job(out, layout), env=env(), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        while last_step(out) < at_step and proc.poll() is None:
+            time.sleep(0.2)
+        pid = rank_pid(proc.pid, rank)
+        if pid is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise TrialAborted(f"{name}: rank {rank}'s process not found (job ended: {proc.poll()})")
+        os.kill(pid, sig)
+        killed_at = time.time()
+        try:
+            code = proc.wait(timeout=WATCHDOG_S * 2 + 60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise TrialAborted(f"{name}: the job did not end within {WATCHDOG_S * 2 + 60:.0f}s of the {sig.name} "
+                               "(a hang)")
     text = out.with_suffix(".log").read_text()
     problems = checkpoint_problems(out)
-    if sig == signal.SIGKILL and (code == 0 or f"rank: {rank}" not in text):
-        problems.append(f"trial {index}: exit {code}; the dead rank {rank} {'is' if f'rank: {rank}' in text else 'is not'} named")
-    print(f"RESULT trial{index}_ended_s={ended_s:.1f} exit={code}", flush=True)
-    resumed = subprocess.run(job(out, steps, "train.resume=true"), env=env(), capture_output=True, text=True)
-    if resumed.returncode != 0:
-        return problems + [f"trial {index}: resume failed: {resumed.stdout[-1500:]}{resumed.stderr[-1500:]}"]
-    got = final_weights(out)
-    for name, tensor in reference.items():
-        if not torch.allclose(got[name], tensor, rtol=1e-5, atol=1e-7):
-            problems.append(f"trial {index}: {name} differs from the uninterrupted run "
-                            f"(max abs {float((got[name] - tensor).abs().max()):.3g})")
-    exact = all(torch.equal(got[n], t) for n, t in reference.items())
-    print(f"RESULT trial{index}_bit_exact={exact}", flush=True)
-    return problems + checkpoint_problems(out)
+    named = f"rank: {rank}" in text
+    if sig == signal.SIGKILL and (code == 0 or not named):
+        problems.append(f"{name}: exit {code}; the dead rank {rank} {'is' if named else 'is not'} named")
+    print(f"RESULT {name.replace(' ', '')}_ended_s={time.time() - killed_at:.1f} exit={code}", flush=True)
+    return problems
 
 
 def main() -> int:
@@ -136,19 +173,25 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO / "runs" / "chaos")
+    parser.add_argument("--targets", type=int, default=5)
+    parser.add_argument("--drafters", type=int, default=3)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(args.seed)
-    print(f"chaos: reference run ({TARGETS}+{DRAFTERS}, {args.steps} steps)", flush=True)
-    ref = subprocess.run(job(args.out / "reference", args.steps), env=env(), capture_output=True, text=True)
+    layout = Layout(args.targets, args.drafters, args.steps)
+    print(f"chaos: reference run ({layout.targets}+{layout.drafters}, {layout.steps} steps)", flush=True)
+    ref = subprocess.run(job(args.out / "reference", layout), env=env(), capture_output=True, text=True)
     if ref.returncode != 0:
         print(ref.stdout[-3000:], ref.stderr[-3000:])
         print("VERDICT chaos: FAILED (the reference run failed)")
         return 1
     reference = final_weights(args.out / "reference")
-    problems = []
+    problems, start = [], time.time()
     for i in range(args.trials):
-        problems += trial(i, rng, args.steps, args.out, reference)
+        problems += trial(i, rng, layout, args.out, reference)
+        done = i + 1
+        eta = (time.time() - start) / done * (args.trials - done)
+        print(f"chaos: {done}/{args.trials} trials, {len(problems)} problems, ETA {eta / 60:.1f} min", flush=True)
     for p in problems:
         print("PROBLEM", p)
     print(f"VERDICT chaos: {'OK' if not problems else 'FAILED'} ({args.trials} trials, {len(problems)} problems)")
