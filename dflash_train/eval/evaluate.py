@@ -112,14 +112,16 @@ def _run_sets(drafter, target, encoded: dict[str, list[torch.Tensor]], opts: dic
 def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[dict]]], *,
              max_new_tokens: int = 128, temperature: float = 0.0, thinking: bool | None = None,
              block_size: int | None = None, seed: int = 0, out_dir: str | Path | None = None,
-             progress: bool = True, warmup: bool = True, heartbeat=None) -> dict:
+             progress: bool = True, warmup: bool = True, heartbeat=None, simulate=None) -> dict:
     """Real speculative decoding vs plain target decoding on each prompt set (`heartbeat(stage)`, e.g.
     the watchdog's beat, is called after every prompt).
 
     `target` is a `dflash_train.model.target.Target`; `drafter` an unwrapped `DFlashDrafter` on any
     device (taps and embeddings are moved to it). Returns the report: {"sets": {name: figures},
     "overall": figures pooled over all sets, settings...}; with `out_dir`, also writes
-    report.json and the PNG plots there.
+    report.json and the PNG plots there. `simulate(sequences)`, given a set's (prompt ids, plain
+    greedy output ids) pairs, returns training's simulated tau on that very text, kept as the set's
+    "sim_tau": the train/serve check (a gap means the decode loop and training disagree).
     """
     check_compatible(drafter, target)
     block_size = block_size or drafter.config.block_size
@@ -141,6 +143,10 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
     finally:
         drafter.train(was_training)
     report = _assemble(results, block_size, opts, thinking, seed, time.perf_counter() - t0)
+    if simulate is not None:  # the train/serve check: simulated acceptance on the text just decoded
+        for name, (_, plain) in results.items():
+            report["sets"][name]["sim_tau"] = simulate([(ids[0].tolist(), r.tokens) for ids, r in
+                                                        zip(encoded[name], plain)])
     report["target"], report["device"] = getattr(target, "name", "?"), str(device)
     report["dtype"] = str(target.dtype).removeprefix("torch.")  # bf16 may flip near-tie greedy tokens
     cfg = drafter.config

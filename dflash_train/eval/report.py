@@ -122,10 +122,13 @@ def summary_table(sets: dict[str, dict]) -> str:
     """Fixed-width table: one row per set, acceptance of the first slots included."""
     head = f"{'set':<12}{'prompts':>8}{'tokens':>8}{'steps':>7}{'tau':>7}  {'acc@1..4':<24}" \
            f"{'spec tok/s':>11}{'target tok/s':>13}{'speedup':>9}{'same':>6}"
+    with_sim = any("sim_tau" in s for s in sets.values())
+    head += f"{'sim tau':>9}" if with_sim else ""
     rows = [head, "-" * len(head)]
     for name, s in sets.items():
         acc = " ".join(f"{a:.2f}" for a in s["per_position_acceptance"][:4])
+        sim = (f"{s['sim_tau']:>9.2f}" if "sim_tau" in s else f"{'-':>9}") if with_sim else ""
         rows.append(f"{name:<12}{s['num_prompts']:>8}{s['spec_tokens']:>8}{s['steps']:>7}{s['tau']:>7.2f}  "
                     f"{acc:<24}{s['spec_tokens_per_s']:>11.1f}{s['target_tokens_per_s']:>13.1f}"
-                    f"{s['speedup']:>8.2f}x{s['identical_outputs']:>6}")
+                    f"{s['speedup']:>8.2f}x{s['identical_outputs']:>6}{sim}")
     return "\n".join(rows)

@@ -28,6 +28,7 @@ from dflash_train.model.target import load_target
 from dflash_train.train import balance, setup
 from dflash_train.train.balance import ComputeTimer
 from dflash_train.train.batching import BatchPlan, MicroBatch, to_device
+from dflash_train.data.records import Sample
 from dflash_train.train.checkpoint import Checkpointer, DrafterState, RNGState, TrainProgress, provenance
 from dflash_train.train.health import BadStepGuard, CompileHealthWatch, FaultPlan, NonFiniteSteps, StopFlag
 from dflash_train.train.loss import LossMix, LossStats, summarize
@@ -37,7 +38,7 @@ from dflash_train.train.parallel import parallelize, resolve_backend, resolve_co
 from dflash_train.train.provenance import Provenance, fingerprints
 from dflash_train.train.sources import CollateArgs, Feed, TapsSource, TargetServer, build_source
 from dflash_train.train.step import StepContext, forward_stats, reduce_stats, train_step
-from dflash_train.train.taps import taps_spec
+from dflash_train.train.taps import target_tensors, taps_spec
 from dflash_train.train.topology import Topology, init_distributed, pick_device, topology_from_env
 from dflash_train.validate import validate_run
 
@@ -224,7 +225,8 @@ def _train_drafter(p: Process, s: Setup) -> dict:
         result["checkpoint"] = str(best)
         if cfg.eval.num_prompts > 0 and topo.target_in_process and not p.stop():
             with p.watchdog.stage("real speculative decoding eval"):
-                result.update(_real_eval(cfg, Path(result["export"]), s.target, p.out_dir, log, p.watchdog.beat))
+                result.update(_real_eval(cfg, Path(result["export"]), s.target, p.out_dir, log, p.watchdog.beat,
+                                         t.ctx))
     return _finish_distributed(topo, result)
 
 
@@ -339,20 +341,39 @@ def _eval_prompt_sets(cfg: RunConfig, target, out_dir: Path) -> dict:
     return load_prompt_sets(cfg.eval.prompts, cfg.eval.num_prompts, context)
 
 
-def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log, heartbeat) -> dict:
-    """Real speculative decoding of the exported drafter against the target, on held-out prompts."""
+def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log, heartbeat, ctx: StepContext) -> dict:
+    """Real speculative decoding of the exported drafter against the target, on held-out prompts,
+    with the simulated tau of the same decoded text beside each set's real tau."""
     drafter = load_zlab(drafter_dir, device=target.device, dtype=target.dtype)
     with torch.compiler.set_stance("force_eager"):  # decoding shapes change every step: no compiled layers
         report = evaluate(drafter, target, _eval_prompt_sets(cfg, target, out_dir), max_new_tokens=cfg.eval.max_new_tokens,
                           temperature=cfg.eval.temperature, thinking=cfg.data.thinking, seed=cfg.train.seed,
-                          out_dir=out_dir / "eval", heartbeat=heartbeat)
+                          out_dir=out_dir / "eval", heartbeat=heartbeat, simulate=simulator(drafter, target, ctx))
     for name, figures in report["sets"].items():
-        log(f"eval [{name}]: tau {figures['tau']:.3f}, speedup {figures['speedup']:.2f}x, "
+        log(f"eval [{name}]: tau {figures['tau']:.3f} (simulated on the same text {figures['sim_tau']:.3f}: "
+            f"{figures['sim_tau'] / figures['tau'] - 1:+.0%}), speedup {figures['speedup']:.2f}x, "
             f"{figures['identical_outputs']}/{figures['num_prompts']} outputs identical to plain greedy")
         note = lossless_note(figures, target.dtype == torch.float32, cfg.eval.temperature)
         if note:
             log(f"eval [{name}]: {note}")
     return {"eval": report["sets"], "report": str(out_dir / "eval" / "report.json")}
+
+
+def simulator(drafter, target, ctx: StepContext):
+    """The train/serve check's measure: simulated tau (training's, every eligible anchor) on given
+    (prompt ids, output ids) pairs, the output supervised; taps computed here by the target."""
+    spec = taps_spec(drafter.config, target.dtype, final_hidden=ctx.loss.needs_teacher)
+
+    def simulate(sequences: list[tuple[list[int], list[int]]]) -> float:
+        samples = [Sample(f"eval-{i}", tuple(prompt + out), (0,) * len(prompt) + (1,) * len(out))
+                   for i, (prompt, out) in enumerate(sequences) if len(out) > 1]
+        longest = max((len(s) for s in samples), default=0)
+        mbs = setup.eval_batches(samples, longest, 1, longest, max_samples=len(samples))
+        for mb in mbs:
+            mb.from_target = target_tensors(target, list(drafter.config.target_layer_ids), mb, ctx.device, spec)
+        return simulated_tau(drafter, mbs, ctx)["sim_tau"] if mbs else float("nan")
+
+    return simulate
 
 
 def simulated_tau(drafter, eval_mbs, ctx: StepContext) -> dict:
