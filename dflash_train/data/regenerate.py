@@ -74,7 +74,7 @@ def end_of_turn_ids(target) -> list[int]:
 
 
 @torch.no_grad()
-def _generate(target, prompts: list[list[int]], max_new_tokens: int, temperature: float,
+def generate_batch(target, prompts: list[list[int]], max_new_tokens: int, temperature: float,
               stop_ids: list[int], seed: int) -> list[tuple[list[int], bool]]:
     """Batched generation; returns per row (new tokens before the stop token, stopped?)."""
     pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop_ids[0]
@@ -135,7 +135,7 @@ def regenerate(target, conversations: list[Conversation], out_path: str | Path, 
     bar = tqdm(total=len(encoded), unit="prompt", desc="regenerate", dynamic_ncols=True)
     for b, start in enumerate(range(0, len(encoded), batch_size)):
         batch = encoded[start:start + batch_size]
-        outs = _generate(target, [e[2] for e in batch], max_new_tokens, temperature, stop_ids,
+        outs = generate_batch(target, [e[2] for e in batch], max_new_tokens, temperature, stop_ids,
                          seed * 1_000_003 + b)
         rows = []
         for (cid, prompt, _), (tokens, stopped) in zip(batch, outs):

@@ -58,7 +58,7 @@ class BadRows:
 # Row parsing and validation
 
 
-def _type_name(value) -> str:
+def json_type_name(value) -> str:
     return "null" if value is None else type(value).__name__
 
 
@@ -73,7 +73,7 @@ def _message_list(row: dict, source: str, line: int) -> tuple[str, list, str, st
                         "missing_field")
     messages = row[key]
     if not isinstance(messages, list):
-        raise DataError(source, line, key, f"expected a list, got {_type_name(messages)}", "wrong_type")
+        raise DataError(source, line, key, f"expected a list, got {json_type_name(messages)}", "wrong_type")
     if not messages:
         raise DataError(source, line, key, "empty conversation", "empty_conversation")
     return key, messages, role_key, content_key
@@ -81,7 +81,7 @@ def _message_list(row: dict, source: str, line: int) -> tuple[str, list, str, st
 
 def _parse_message(msg, where: str, role_key: str, content_key: str, source: str, line: int) -> dict:
     if not isinstance(msg, dict):
-        raise DataError(source, line, where, f"expected an object, got {_type_name(msg)}", "wrong_type")
+        raise DataError(source, line, where, f"expected an object, got {json_type_name(msg)}", "wrong_type")
     for k in (role_key, content_key):
         if k not in msg:
             raise DataError(source, line, f"{where}.{k}", "missing", "missing_field")
@@ -91,7 +91,7 @@ def _parse_message(msg, where: str, role_key: str, content_key: str, source: str
                         f"unknown role {role!r} (expected one of {', '.join(ROLE_ALIASES)})", "unknown_role")
     if not isinstance(content, str):
         raise DataError(source, line, f"{where}.{content_key}",
-                        f"expected a string, got {_type_name(content)}", "non_string_content")
+                        f"expected a string, got {json_type_name(content)}", "non_string_content")
     return {"role": ROLE_ALIASES[role.lower()], "content": content}
 
 
@@ -111,14 +111,14 @@ def parse_row(row, source: str, line: int, default_id: str | None = None) -> Con
     """One ShareGPT (`conversations` of `from`/`value`) or OpenAI (`messages` of `role`/`content`)
     row; the id is the row's `id` field, else `default_id`, else `source:line`."""
     if not isinstance(row, dict):
-        raise DataError(source, line, None, f"expected a JSON object, got {_type_name(row)}", "wrong_type")
+        raise DataError(source, line, None, f"expected a JSON object, got {json_type_name(row)}", "wrong_type")
     key, raw, role_key, content_key = _message_list(row, source, line)
     messages = [_parse_message(m, f"{key}[{i}]", role_key, content_key, source, line)
                 for i, m in enumerate(raw)]
     check_role_order(messages, source, line, key, role_key)
     row_id = row.get("id")
     if row_id is not None and not isinstance(row_id, (str, int)):
-        raise DataError(source, line, "id", f"expected a string or int, got {_type_name(row_id)}", "wrong_type")
+        raise DataError(source, line, "id", f"expected a string or int, got {json_type_name(row_id)}", "wrong_type")
     conv_id = str(row_id) if row_id is not None else (default_id or f"{source}:{line}")
     return Conversation(id=conv_id, messages=messages)
 

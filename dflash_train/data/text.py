@@ -22,8 +22,8 @@ from dflash_train.config import DataConfig
 from dflash_train.data.conversations import file_rows, read_conversations
 from dflash_train.data.records import Conversation, TokenizedSample
 from dflash_train.data.regen_taps import regenerate_prompts_with_taps
-from dflash_train.data.regenerate import _generate, end_of_turn_ids
-from dflash_train.data.rows import BadRows, DataError, _type_name, parse_row
+from dflash_train.data.regenerate import generate_batch, end_of_turn_ids
+from dflash_train.data.rows import BadRows, DataError, json_type_name, parse_row
 
 FORMATS = ("chat", "text")
 
@@ -63,7 +63,7 @@ def _row_document(row, source: str, line: int) -> Document:
     """A `{"text", "id"?}` row, or a conversation row (joined)."""
     if isinstance(row, dict) and "text" in row:
         if not isinstance(row["text"], str):
-            raise DataError(source, line, "text", f"expected a string, got {_type_name(row['text'])}",
+            raise DataError(source, line, "text", f"expected a string, got {json_type_name(row['text'])}",
                             "non_string_content")
         row_id = row.get("id")
         return Document(str(row_id) if row_id is not None else f"{source}:{line}", row["text"])
@@ -139,7 +139,7 @@ def _greedy_continuations(target, prompts: list[list[int]], cfg: DataConfig, see
     t0, new_tokens = time.perf_counter(), 0
     for b in range(0, len(order), cfg.regen_batch_size):
         rows = order[b:b + cfg.regen_batch_size]
-        for i, (tokens, _) in zip(rows, _generate(target, [prompts[i] for i in rows], cfg.regen_max_new_tokens,
+        for i, (tokens, _) in zip(rows, generate_batch(target, [prompts[i] for i in rows], cfg.regen_max_new_tokens,
                                                   0.0, stop_ids, seed)):
             out[i] = tokens
             new_tokens += len(tokens)
