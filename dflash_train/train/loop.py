@@ -25,7 +25,6 @@ from dflash_train.eval.report import lossless_note
 from dflash_train.model.config import DrafterConfig
 from dflash_train.model.hf_format import export_drafter, load_zlab
 from dflash_train.model.target import load_target
-from dflash_train.model.tensor_parallel import shard_target
 from dflash_train.train import balance, setup
 from dflash_train.train.balance import ComputeTimer
 from dflash_train.train.batching import BatchPlan, MicroBatch, to_device
@@ -122,12 +121,10 @@ def _prepare(p: Process) -> Setup:
     with p.watchdog.stage("load target"):
         target = load_target(cfg.target.model, cfg.target.gguf_file, cfg.target.dtype, p.device,
                              cfg.target.trust_remote_code, check_tokenizer=lambda tok: check_data_format(
-                                 cfg.data.format, tok, cfg.target.model, cfg.eval.num_prompts))
+                                 cfg.data.format, tok, cfg.target.model, cfg.eval.num_prompts),
+                             tp_mesh=p.target_mesh)
         if cfg.target.precision == "fp8":
             target.quantize_fp8(log=p.log)  # before compile_layers and the regeneration pass
-        if p.target_mesh is not None:  # a target group's rank keeps its shard of the decoder layers
-            shard_target(target.model, p.target_mesh)
-            p.log(f"target: sharded over ranks {topo.target_groups[topo.target_group_index]} (tensor parallel)")
     dcfg = setup.build_drafter_config(cfg, target)
     spec = taps_spec(dcfg, target.dtype, final_hidden=cfg.loss.needs_target_hidden)
     with p.watchdog.stage("prepare data"):
