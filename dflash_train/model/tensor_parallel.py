@@ -99,8 +99,13 @@ def shard_target(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
 
 def _matches_any(model: nn.Module, pattern: str) -> bool:
     """A plan entry names modules the model has (a dense entry of an all-MoE model has none)."""
-    regex = re.compile(pattern.replace(".", r"\.").replace("*", r"[^.]+") + "$")
+    regex = _pattern_regex(pattern)
     return any(regex.match(name) for name, _ in model.named_modules())
+
+
+def _pattern_regex(pattern: str) -> re.Pattern:
+    """A plan pattern (`model.layers.*.mlp`) as a regex; `*` stands for a layer number."""
+    return re.compile(pattern.replace(".", r"\.").replace("*", r"\d+") + "$")
 
 
 def _apply_transformers_styles(model: nn.Module, mesh: DeviceMesh, plan: dict[str, str]) -> None:
@@ -112,7 +117,7 @@ def _apply_transformers_styles(model: nn.Module, mesh: DeviceMesh, plan: dict[st
     names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
     concrete = {}
     for pattern, style in plan.items():
-        regex = re.compile(pattern.replace(".", r"\.").replace("*", r"\d+") + "$")
+        regex = _pattern_regex(pattern)
         concrete.update({name: style for name in names if regex.match(name)})
     apply_tensor_parallelism(model, mesh, concrete)
 
