@@ -207,6 +207,9 @@ class TopologyConfig:
     """colocated | disaggregated | offline (train/topology.py)."""
     target_ranks: int = 1
     """Target ranks in disaggregated mode; the other ranks train the drafter."""
+    target_group_size: int = 1
+    """Target ranks that hold one copy of the target between them, sharded by tensor parallelism
+    (disaggregated mode; must divide target_ranks): for a target larger than one device's memory."""
     max_in_flight: int = 2
     """Batches of taps in flight per drafter rank (back-pressure)."""
     device: str | None = None

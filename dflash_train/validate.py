@@ -10,6 +10,7 @@ process runs these too and never imports torch, so neither does this module.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,8 +31,8 @@ POSITIVE = (
     "data.prepare_batch_tokens", "loss.gamma", "loss.chunk_tokens", "loss.train_vocab", "loss.temperature",
     "optim.lr", "train.epochs", "train.max_steps", "train.max_minutes", "train.num_anchors", "train.seqs_per_step",
     "train.micro_batch", "train.log_every", "train.eval_every", "train.ckpt_every", "train.keep_last",
-    "train.watchdog_seconds", "topology.target_ranks", "topology.max_in_flight", "eval.max_new_tokens",
-    "eval.sim_anchors_per_seq", "eval.block_size", "doctor.stage_timeout", "plan.gpus", "plan.gpu_memory_gib",
+    "train.watchdog_seconds", "topology.target_ranks", "topology.target_group_size", "topology.max_in_flight",
+    "eval.max_new_tokens", "eval.sim_anchors_per_seq", "eval.block_size", "doctor.stage_timeout", "plan.gpus", "plan.gpu_memory_gib",
 )
 # Fields that must be >= 0 (when set).
 NON_NEGATIVE = (
@@ -164,6 +165,9 @@ def check_topology(cfg: RunConfig, world_size: int) -> list[str]:
     """The topology settings against the number of processes (before a Topology is built)."""
     mode, targets = cfg.topology.mode, cfg.topology.target_ranks
     if mode != "disaggregated":
+        if cfg.topology.target_group_size != 1:
+            return [f"topology.target_group_size={cfg.topology.target_group_size} needs topology.mode=disaggregated "
+                    "(target groups are target ranks); set topology.target_group_size=1"]
         return []
     if world_size < 2:
         return ["topology.mode=disaggregated needs at least 2 processes (1 target + 1 drafter rank): run under "
@@ -171,7 +175,39 @@ def check_topology(cfg: RunConfig, world_size: int) -> list[str]:
     if not 1 <= targets < world_size:
         return [f"topology.target_ranks={targets} leaves no drafter rank in a world of {world_size} processes: "
                 f"use topology.target_ranks=1..{world_size - 1}"]
-    return []
+    return target_group_problems(cfg)
+
+
+def target_group_problems(cfg: RunConfig) -> list[str]:
+    """Target groups (tensor-parallel targets): whole groups, a shardable target, before loading it."""
+    size, targets = cfg.topology.target_group_size, cfg.topology.target_ranks
+    if size <= 1:
+        return []
+    if targets % size:
+        fits = [n for n in range(size, targets + size + 1, size)][-2:]
+        return [f"topology.target_ranks={targets} is not a whole number of target groups of "
+                f"topology.target_group_size={size}: use topology.target_ranks={' or '.join(map(str, fits))}"]
+    if cfg.target.precision == "fp8":
+        return ["target.precision=fp8 with topology.target_group_size>1 is not supported (float8 layers are not "
+                "sharded): use target.precision=bf16 or topology.target_group_size=1"]
+    return _target_width_problems(cfg.target.model, size)
+
+
+def _target_width_problems(model: str, size: int) -> list[str]:
+    """Heads and intermediate sizes against the group size, read from a local config.json (no
+    weights); a GGUF or hub-cache target is checked right after loading instead (shard_target)."""
+    config_file = Path(model).expanduser() / "config.json"
+    if not config_file.is_file():
+        return []
+    text = json.loads(config_file.read_text())
+    text = text.get("text_config", text)
+    widths = {k: text.get(k) for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size",
+                                       "moe_intermediate_size")}
+    bad = [f"{k}={n}" for k, n in widths.items() if isinstance(n, int) and n % size]
+    if not bad:
+        return []
+    return [f"target {model}: {', '.join(bad)} not divisible by topology.target_group_size={size}: use a group "
+            "size that divides the attention heads, the key/value heads and the MLP width"]
 
 
 def batch_problems(cfg: RunConfig, num_drafters: int) -> list[str]:

@@ -143,3 +143,24 @@ def test_command_requirements(tmp_path):
     fires(validate.validate_export, with_(spec, "target.model", "/no/target"), match="target.model=/no/target")
     fires(validate.validate_doctor, with_(cfg, "doctor.stages", ("disk", "dsik")),
           match="doctor.stages: unknown stage(s) dsik")
+
+
+def test_target_groups_are_checked_before_loading(tmp_path):
+    """Whole groups, disaggregated mode only, no fp8, and (from a local config.json) heads and MLP
+    widths that the group size divides."""
+    cfg = apply_overrides(recipes.get("tiny"), ["topology.mode=disaggregated", "topology.target_ranks=3",
+                                                "topology.target_group_size=2"])
+    assert validate.check_topology(cfg, 5) == [
+        "topology.target_ranks=3 is not a whole number of target groups of topology.target_group_size=2: "
+        "use topology.target_ranks=2 or 4"]
+    four = with_(cfg, "topology.target_ranks", 4)
+    assert validate.check_topology(four, 6) == []
+    assert "needs topology.mode=disaggregated" in validate.check_topology(with_(cfg, "topology.mode", "colocated"), 1)[0]
+    assert "target.precision=fp8 with topology.target_group_size>1" in \
+        validate.check_topology(with_(four, "target.precision", "fp8"), 6)[0]
+    (tmp_path / "config.json").write_text('{"num_attention_heads": 6, "num_key_value_heads": 3, '
+                                          '"intermediate_size": 96}')
+    local = with_(four, "target.model", str(tmp_path))
+    assert validate.check_topology(local, 6) == [
+        f"target {tmp_path}: num_key_value_heads=3 not divisible by topology.target_group_size=2: use a group "
+        "size that divides the attention heads, the key/value heads and the MLP width"]

@@ -26,7 +26,8 @@ def validate(cfg) -> None:
         raise ConfigError(problems[0])
     from dflash_train.train.topology import topology_from_env  # imports torch (commands/__init__.py)
 
-    validate_run(cfg, topology_from_env(cfg.topology.mode, cfg.topology.target_ranks))
+    topology = cfg.topology
+    validate_run(cfg, topology_from_env(topology.mode, topology.target_ranks, topology.target_group_size))
 
 
 def run(cfg) -> str | Verdict:

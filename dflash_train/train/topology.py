@@ -2,7 +2,11 @@
 
 One process per device, always; this module never starts threads or processes. Roles:
   colocated      every rank runs the target, then its drafter step (1 rank = one GPU or the CPU)
-  disaggregated  ranks [0, T) run the target and send taps; ranks [T, world) train the drafter
+  disaggregated  ranks [0, T) run the target and send taps; ranks [T, world) train the drafter.
+                 Target ranks form groups of `target_group_size` consecutive ranks; a group holds
+                 one copy of the target, sharded over its ranks (model/tensor_parallel.py), all its
+                 members run the same micro-batches and its first rank (the sender) sends the taps.
+                 Work goes to groups as it would go to single target ranks (size 1: one rank each).
   offline        every rank trains from stored hidden-state shards; no target forward
 Drafter ranks train data-parallel among themselves (their own process group).
 """
@@ -15,6 +19,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from dflash_train.model.tensor_parallel import group_mesh
 
 MODES = ("colocated", "disaggregated", "offline")
 
@@ -26,6 +33,7 @@ class Topology:
     rank: int
     local_rank: int
     num_target_ranks: int  # ranks that run the target and only that (disaggregated)
+    target_group_size: int = 1  # target ranks that share one sharded copy of the target
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -39,10 +47,37 @@ class Topology:
             if not 1 <= self.num_target_ranks < self.world_size:
                 raise ValueError(f"topology.target_ranks={self.num_target_ranks} must be in [1, {self.world_size - 1}]"
                                  f" for a world of {self.world_size} (at least one drafter rank)")
+        if self.target_group_size < 1 or self.num_target_ranks % self.target_group_size:
+            raise ValueError(f"topology.target_group_size={self.target_group_size} must divide "
+                             f"topology.target_ranks={self.num_target_ranks}")
 
     @property
     def target_ranks(self) -> list[int]:
         return list(range(self.num_target_ranks)) if self.mode == "disaggregated" else []
+
+    @property
+    def num_target_groups(self) -> int:
+        return self.num_target_ranks // self.target_group_size if self.mode == "disaggregated" else 0
+
+    @property
+    def target_groups(self) -> list[list[int]]:
+        """Consecutive target ranks, `target_group_size` per group, in group order."""
+        g = self.target_group_size
+        return [self.target_ranks[i * g:(i + 1) * g] for i in range(self.num_target_groups)]
+
+    @property
+    def target_group_index(self) -> int:
+        """This target rank's group (which micro-batches it computes); -1 on drafter ranks."""
+        return self.rank // self.target_group_size if self.is_target else -1
+
+    @property
+    def sender_ranks(self) -> list[int]:
+        """The first rank of each group: the one that sends the group's taps to drafter ranks."""
+        return [group[0] for group in self.target_groups]
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank in self.sender_ranks
 
     @property
     def drafter_ranks(self) -> list[int]:
@@ -90,17 +125,22 @@ class Topology:
         return self.world_size > 1
 
     def describe(self) -> str:
+        if self.mode == "disaggregated" and self.target_group_size > 1:
+            return (f"disaggregated: {self.num_target_ranks} target ranks in {self.num_target_groups} groups of "
+                    f"{self.target_group_size} -> {self.num_drafters} drafter rank(s)")
         if self.mode == "disaggregated":
             return f"disaggregated: {self.num_target_ranks} target rank(s) -> {self.num_drafters} drafter rank(s)"
         return f"{self.mode}: {self.world_size} rank(s), each {'target + drafter' if self.mode == 'colocated' else 'drafter from shards'}"
 
 
-def topology_from_env(mode: str, target_ranks: int) -> Topology:
+def topology_from_env(mode: str, target_ranks: int, target_group_size: int = 1) -> Topology:
     """Read RANK / WORLD_SIZE / LOCAL_RANK (torchrun); a plain run is a world of one."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    disaggregated = mode == "disaggregated"
     return Topology(mode=mode, world_size=world, rank=int(os.environ.get("RANK", "0")),
                     local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-                    num_target_ranks=target_ranks if mode == "disaggregated" else 0)
+                    num_target_ranks=target_ranks if disaggregated else 0,
+                    target_group_size=target_group_size if disaggregated else 1)
 
 
 def pick_device(topo: Topology) -> torch.device:
@@ -125,3 +165,11 @@ def init_distributed(topo: Topology, device: torch.device, timeout_s: float = 18
     if topo.mode != "disaggregated":
         return dist.group.WORLD
     return dist.new_group(topo.drafter_ranks)
+
+
+def init_target_groups(topo: Topology, device: torch.device) -> DeviceMesh | None:
+    """The mesh of this rank's target group, when groups hold more than one rank (else None).
+    Collective: every rank of the world calls it, right after `init_distributed`."""
+    if topo.mode != "disaggregated" or topo.target_group_size == 1:
+        return None
+    return group_mesh(topo.target_groups, device.type)

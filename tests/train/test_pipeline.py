@@ -76,6 +76,23 @@ def test_disaggregated_matches_colocated(colocated, tiny_target_dir, tmp_path, n
     assert "balance: a target rank computes" in proc.stdout  # the measured target:drafter ratio
 
 
+def test_two_tensor_parallel_target_groups_match_colocated(colocated, tiny_target_dir, tmp_path):
+    """4 target ranks in 2 groups of 2 (each group one target sharded over its 2 ranks) + 2
+    drafter ranks: the colocated losses at every step (sharded taps differ by ~1e-6 relative)."""
+    _, expected = colocated
+    proc = run(6, tiny_target_dir, tmp_path, "topology.mode=disaggregated", "topology.target_ranks=4",
+               "topology.target_group_size=2", timeout=SAFETY_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "4 target ranks in 2 groups of 2 -> 2 drafter rank(s)" in proc.stdout
+    assert proc.stdout.count("target: sharded over ranks [0, 1]") == 2  # every target rank holds a shard
+    assert proc.stdout.count("target: sharded over ranks [2, 3]") == 2
+    assert "balance: a target group of 2 ranks computes" in proc.stdout
+    got = losses(tmp_path)
+    assert sorted(got) == sorted(expected)
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=1e-4, abs=1e-6), step
+
+
 def run_until_line(cmd: list[str], marker: str, **env_extra) -> list[str]:
     """Start `cmd`, read its output until a line containing `marker`, then SIGKILL it. Returns the
     lines read. A safety timer kills the job if the marker never comes (the test then fails)."""

@@ -1,0 +1,92 @@
+"""A target sharded over a group of 2 gloo processes gives the single-process taps and final
+hidden state (float32, tiny random Qwen3 / Llama / Qwen3-MoE), and refuses widths the group
+size does not divide."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
+
+from dflash_train.model.target import Target, tap_relative_errors
+from dflash_train.model.tensor_parallel import check_tp_divisible, group_mesh, shard_target, tp_plan_of
+
+ARCHS = ("qwen3", "llama", "qwen3_moe")
+# float32: the group's partial sums add in another order than one process's matmul, and the
+# difference grows through the layers: up to ~1e-6 of each tap's norm, a few 1e-5 on single elements
+REL_FROBENIUS = 3e-6  # ||got - want|| / ||want|| per tapped layer and for the final hidden state
+RTOL, ATOL = 1e-4, 1e-4
+LAYER_IDS = [0, 2, 3]  # 3 = the last layer: its tap is the final-norm output, as HF's
+
+
+def tiny(arch: str, seed: int = 0):
+    """A seeded random float32 model; initializer_range 0.2 so that layers change the states."""
+    torch.manual_seed(seed)
+    common = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  vocab_size=256, initializer_range=0.2, intermediate_size=128)
+    if arch == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    elif arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    else:  # every layer sparse: 4 experts of width 32, 2 per token
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                                   **common))
+    return model.eval().requires_grad_(False)
+
+
+def _compare_on_rank(rank: int, world: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        mesh = group_mesh([list(range(world))], "cpu")
+        torch.manual_seed(1)
+        ids = torch.randint(0, 256, (2, 24))  # (b, S)
+        mask = torch.ones_like(ids)
+        mask[0, :5] = 0  # a left-padded row
+        for arch in ARCHS:
+            reference = Target(tiny(arch), tokenizer=None)
+            sharded = Target(shard_target(tiny(arch), mesh), tokenizer=None)
+            q_proj = sharded.layers[0].self_attn.q_proj.weight
+            assert q_proj.to_local().shape == (64 // world, 64), arch  # really sharded: half the heads
+            assert type(sharded.lm_head_weight) is torch.nn.Parameter  # replicated, plain
+            want_taps, want_last = reference.taps(ids, mask, LAYER_IDS, return_last_hidden=True)
+            got_taps, got_last = sharded.taps(ids, mask, LAYER_IDS, return_last_hidden=True)
+            assert type(got_taps) is torch.Tensor  # plain local tensors, whole on every rank
+            errors = tap_relative_errors(torch.cat([want_taps, want_last], -1), torch.cat([got_taps, got_last], -1),
+                                         len(LAYER_IDS) + 1)
+            assert max(errors) < REL_FROBENIUS, (arch, errors)
+            torch.testing.assert_close(got_taps, want_taps, rtol=RTOL, atol=ATOL, msg=lambda m: f"{arch} taps: {m}")
+            torch.testing.assert_close(got_last, want_last, rtol=RTOL, atol=ATOL, msg=lambda m: f"{arch} last: {m}")
+            assert want_taps.abs().max() > 1.0  # the states are not ~0: the tolerance means something
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_tp2_taps_equal_single_process_taps(tmp_path):
+    mp.spawn(_compare_on_rank, args=(2, str(tmp_path / "pg")), nprocs=2, join=True)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_tested_architecture_has_a_plan(arch):
+    plan = tp_plan_of(tiny(arch).config)
+    assert plan["layers.*.self_attn.q_proj"] == "colwise" and plan["layers.*.self_attn.o_proj"] == "rowwise"
+
+
+def test_widths_the_group_size_does_not_divide_are_refused():
+    config = Qwen3Config(hidden_size=64, num_attention_heads=6, num_key_value_heads=3, head_dim=16,
+                         intermediate_size=96)
+    check_tp_divisible(config, 3)  # 6, 3 and 96 all divide by 3
+    with pytest.raises(ValueError, match=r"num_attention_heads=6, num_key_value_heads=3 not divisible by "
+                                         r"topology.target_group_size=4; group sizes that divide every "
+                                         r"sharded width: \[1, 3\]"):
+        check_tp_divisible(config, 4)
+    with pytest.raises(ValueError, match="num_key_value_heads=3"):
+        check_tp_divisible(config, 2)
+
+
+def test_a_config_without_a_plan_is_refused():
+    config = Qwen3Config()
+    config.base_model_tp_plan = None
+    with pytest.raises(ValueError, match="no tensor-parallel plan.*target_group_size=1"):
+        tp_plan_of(config)
