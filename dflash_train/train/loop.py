@@ -122,7 +122,7 @@ def _prepare(p: Process) -> Setup:
         target = load_target(cfg.target.model, cfg.target.gguf_file, cfg.target.dtype, p.device,
                              cfg.target.trust_remote_code, check_tokenizer=lambda tok: check_data_format(
                                  cfg.data.format, tok, cfg.target.model, cfg.eval.num_prompts),
-                             tp_mesh=p.target_mesh)
+                             tp_mesh=p.target_mesh, subset=setup.target_subset(cfg, topo, p.log))
         if cfg.target.precision == "fp8":
             target.quantize_fp8(log=p.log)  # before compile_layers and the regeneration pass
     dcfg = setup.build_drafter_config(cfg, target)

@@ -20,6 +20,7 @@ from dflash_train.data.shards import ShardReader
 from dflash_train.model.config import DrafterConfig, drafter_config_from_target
 from dflash_train.model.drafter import DFlashDrafter
 from dflash_train.model.target import resolve_mask_token_id
+from dflash_train.model.target_subset import TargetSubset
 from dflash_train.train.batching import MicroBatch, Sample, padded_length
 from dflash_train.train.taps import FINAL_HIDDEN, StoredRows, TapsSpec
 from dflash_train.train.topology import Topology
@@ -45,6 +46,22 @@ def load_data(cfg: RunConfig, topo: Topology, target, layer_ids, spec: TapsSpec,
     if taps_from_regeneration(cfg, topo):
         return prepare_tapped(cfg, target, layer_ids, spec, work_dir, log, heartbeat)
     return Data(*load_or_build_samples(cfg, target, topo, work_dir, log, heartbeat=heartbeat))
+
+
+def target_subset(cfg: RunConfig, topo: Topology, log) -> TargetSubset | None:
+    """The target weights this rank holds: all of them (None) where it runs the target, else (a
+    drafter rank of a disaggregated run: target ranks send it the taps) the embedding, lm_head and
+    what `init_drafter` copies. The main drafter rank keeps the whole target when `data.regenerate`
+    makes it generate the training responses itself (`load_or_build_samples`)."""
+    if not topo.has_target_ranks or topo.is_target:
+        return None
+    if cfg.data.regenerate and topo.is_main:
+        log("target: the whole target on the main drafter rank: data.regenerate generates the responses here; "
+            "run `dflash-train regenerate` first and train with data.regenerate=false to hold only its embedding "
+            "and lm_head")
+        return None
+    copies = cfg.drafter.init_from_target
+    return TargetSubset(last_layers=cfg.drafter.num_layers if copies else 0, final_norm=copies)
 
 
 def build_drafter_config(cfg: RunConfig, target) -> DrafterConfig:
@@ -98,7 +115,7 @@ def _copy_from_target(drafter: DFlashDrafter, target) -> None:
             theirs_state = theirs.state_dict()
             for name, param in ours.state_dict().items():
                 src = theirs_state.get(name)
-                if src is not None and src.shape == param.shape:
+                if src is not None and not src.is_meta and src.shape == param.shape:  # meta: not held
                     param.copy_(_dense(src).float())
 
 

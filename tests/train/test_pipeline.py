@@ -74,6 +74,13 @@ def test_disaggregated_matches_colocated(colocated, tiny_target_dir, tmp_path, n
         assert got[step] == pytest.approx(loss, rel=1e-4, abs=1e-6), step
     assert len(set(expected.values())) > 1  # the loss moves: the comparison is not vacuous
     assert "balance: a target rank computes" in proc.stdout  # the measured target:drafter ratio
+    assert proc.stdout.count(DRAFTER_RANK_HOLDS) == nproc - 1  # each drafter rank, and no target rank
+
+
+# A drafter rank never loads the whole target: embedding and lm_head (tied: one tensor), plus the
+# final norm and last layer that the 1-layer drafter's init copies (14 of the tiny target's 69 names).
+DRAFTER_RANK_HOLDS = ("target: holds 14 of 69 weights, runs no forward: model.embed_tokens.weight, "
+                      "model.layers.5.*, model.norm.weight, lm_head.weight")
 
 
 def test_two_tensor_parallel_target_groups_match_colocated(colocated, tiny_target_dir, tmp_path):
@@ -87,6 +94,7 @@ def test_two_tensor_parallel_target_groups_match_colocated(colocated, tiny_targe
     assert proc.stdout.count("target: sharded over ranks [0, 1]") == 2  # every target rank holds a shard
     assert proc.stdout.count("target: sharded over ranks [2, 3]") == 2
     assert "balance: a target group of 2 ranks computes" in proc.stdout
+    assert proc.stdout.count(DRAFTER_RANK_HOLDS) == 2
     got = losses(tmp_path)
     assert sorted(got) == sorted(expected)
     for step, loss in expected.items():
