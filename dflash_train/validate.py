@@ -280,7 +280,20 @@ def validate_prepare(cfg: RunConfig) -> None:
     if cfg.data.train == "default":
         problems.append("data.train=default holds prompts only (no assistant turns to tap): run `dflash-train "
                         "regenerate --out regenerated.jsonl` first and prepare from data.train=regenerated.jsonl")
-    _fail(problems + target_problems(cfg) + data_problems(cfg))
+    _fail(problems + prepare_group_problems(cfg, int(os.environ.get("WORLD_SIZE", "1"))) + target_problems(cfg)
+          + data_problems(cfg))
+
+
+def prepare_group_problems(cfg: RunConfig, world_size: int) -> list[str]:
+    """`prepare` under torchrun: whole target groups, each process placed by torchrun."""
+    size = cfg.topology.target_group_size
+    if size < 1 or world_size % size:
+        return [f"topology.target_group_size={size} does not divide the {world_size} prepare processes: use a "
+                f"divisor of {world_size}, or run torchrun with a multiple of {size} processes"]
+    if world_size > 1 and cfg.topology.device is not None:
+        return [f"topology.device={cfg.topology.device}: under torchrun each process takes cuda:LOCAL_RANK or the "
+                "CPU; set CUDA_VISIBLE_DEVICES instead and leave topology.device=none"]
+    return _target_width_problems(cfg.target.model, size) if size > 1 else []
 
 
 def validate_check(cfg: RunConfig) -> None:

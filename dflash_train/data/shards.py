@@ -248,6 +248,50 @@ def _prepare_locked(target, samples: list[TokenizedSample], out_dir: Path, layer
                          sum((out_dir / s["file"]).stat().st_size for s in shards), done)
 
 
+def follow_prepare(target, samples: list[TokenizedSample], out_dir: str | Path, layer_ids, batch_tokens: int = 16384,
+                   final_hidden: bool = False) -> None:
+    """A target group member that does not write: the same forwards as the group's writer (the
+    sharded target's collectives need every member), over the same batches, nothing stored.
+    The index read here predates the writer's first new shard: that shard needs this rank's
+    first forward."""
+    index_path = Path(out_dir) / INDEX_NAME
+    done = sum(s["samples"] for s in json.loads(index_path.read_text())["shards"]) if index_path.exists() else 0
+    for batch in _batches(samples[done:], batch_tokens):
+        _batch_tensors(target, batch, [int(i) for i in layer_ids], final_hidden)
+
+
+def group_dir(out_dir: str | Path, group: int) -> Path:
+    """Where target group `group` of a multi-group prepare writes its share (its own index)."""
+    return Path(out_dir) / f"group-{group:05d}"
+
+
+def group_share(samples: list[TokenizedSample], group: int, num_groups: int) -> list[TokenizedSample]:
+    """Group `group`'s contiguous share of the samples (sizes differ by at most one)."""
+    bounds = [len(samples) * g // num_groups for g in range(num_groups + 1)]
+    return samples[bounds[group]:bounds[group + 1]]
+
+
+def merge_group_indexes(out_dir: str | Path, samples: list[TokenizedSample], num_groups: int) -> PrepareReport:
+    """The top `index.json` over every group's complete shards, in group order (file names relative
+    to `out_dir`), so `ShardReader(out_dir)` reads them as one set. Run once all groups finished."""
+    out_dir, shards, meta = Path(out_dir), [], None
+    for g in range(num_groups):
+        path = group_dir(out_dir, g) / INDEX_NAME
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: target group {g} wrote no index; re-run prepare to resume it")
+        index = json.loads(path.read_text())
+        if not index.get("complete"):
+            raise ValueError(f"{path}: target group {g} did not finish ('complete' is false); re-run prepare")
+        meta = meta or index
+        shards += [{**s, "file": f"{path.parent.name}/{s['file']}"} for s in index["shards"]]
+    keep = ("schema", "target", "layer_ids", "hidden_size", "tap_width", "dtype", "entries")
+    merged = {**{k: meta[k] for k in keep}, "samples_fingerprint": samples_fingerprint(samples),
+              "total_samples": len(samples), "groups": num_groups, "shards": shards, "complete": True}
+    _write_index(out_dir, merged)
+    return PrepareReport(len(shards), sum(s["samples"] for s in shards), sum(s["tokens"] for s in shards),
+                         sum((out_dir / s["file"]).stat().st_size for s in shards), 0)
+
+
 def _flush(out_dir: Path, index: dict, buffer: _ShardBuffer, on_shard) -> None:
     number = len(index["shards"])
     name = f"shard-{number:05d}.safetensors"
