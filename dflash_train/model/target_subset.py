@@ -132,7 +132,7 @@ def _assign(model: nn.Module, aliases: set[str], tensor: torch.Tensor) -> None:
 
 def _forbid_forward(model: nn.Module) -> None:
     """A forward on meta weights returns meta tensors, not an error: make it one."""
-    def refuse(module, args, kwargs=None):
+    def refuse(module, args):
         raise RuntimeError("this target holds only its embedding, lm_head and the weights a drafter copies "
                            "(a drafter rank of a disaggregated run): it cannot run the target's forward")
 
