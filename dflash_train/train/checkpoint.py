@@ -159,6 +159,7 @@ class Checkpointer:
         """Write step_<step>/ atomically: the drafter and {name: state_dict()} of every Stateful;
         repoint `latest` (and `best`), prune old steps."""
         name = f"step_{step:08d}"
+        self._remove_stale_temporaries()
         try:
             with atomic.atomic_dir(self.root / name) as tmp:
                 model.save(tmp / "drafter")
@@ -174,6 +175,13 @@ class Checkpointer:
             atomic.point_link(self.root / "best", name)
         self._prune()
         return self.root / name
+
+    def _remove_stale_temporaries(self) -> None:
+        """Temporary directories of a writer that died mid-write (a SIGKILL): one process writes
+        checkpoints, so any found before its own write are stale (never read: names are atomic)."""
+        for tmp in sorted(self.root.glob(".step_*.tmp-*")):
+            print(f"checkpoint: removing {tmp.name}, a partial write of an interrupted run", flush=True)
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def _best_tau(self) -> float:
         best = self.best()
