@@ -93,11 +93,15 @@ def _descends(pid: int, ancestor: int) -> bool:
     return False
 
 
-def checkpoint_problems(out: Path) -> list[str]:
+def checkpoint_problems(out: Path, temporaries: bool = True) -> list[str]:
+    """Checkpoints missing a part; with `temporaries`, temporary directories left over. Right after a
+    SIGKILL a writer's temporary may remain (never read: names are atomic); the next write of the
+    resumed run must remove it, so the check after the resume includes them."""
     root = out / "checkpoints"
     problems = [f"{p}: missing {part}" for p in root.glob("step_*") for part in ("drafter", "trainer.pt", "meta.json")
                 if not (p / part).exists()]
-    problems += [f"left-over temporary {p}" for p in root.rglob(".*tmp*")]
+    if temporaries:
+        problems += [f"left-over temporary {p}" for p in root.rglob(".*tmp*")]
     return problems
 
 
@@ -159,7 +163,10 @@ def kill_at(name: str, out: Path, layout: Layout, rank: int, sig: signal.Signals
             raise TrialAborted(f"{name}: the job did not end within {WATCHDOG_S * 2 + 60:.0f}s of the {sig.name} "
                                "(a hang)")
     text = out.with_suffix(".log").read_text()
-    problems = checkpoint_problems(out)
+    problems = checkpoint_problems(out, temporaries=False)
+    left = checkpoint_problems(out)[len(problems):]
+    if left:
+        print(f"{name}: after the kill: {', '.join(left)} (to be removed by the resumed run)", flush=True)
     named = f"rank: {rank}" in text
     if sig == signal.SIGKILL and (code == 0 or not named):
         problems.append(f"{name}: exit {code}; the dead rank {rank} {'is' if named else 'is not'} named")
