@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_train.config import RunConfig
+from dflash_train.data.records import Sample
 from dflash_train.data.text import check_data_format
 from dflash_train.diagnostics.watchdog import Watchdog
 from dflash_train.eval.evaluate import evaluate
@@ -28,7 +29,6 @@ from dflash_train.model.target import load_target
 from dflash_train.train import balance, setup
 from dflash_train.train.balance import ComputeTimer
 from dflash_train.train.batching import BatchPlan, MicroBatch, to_device
-from dflash_train.data.records import Sample
 from dflash_train.train.checkpoint import Checkpointer, DrafterState, RNGState, TrainProgress, provenance
 from dflash_train.train.health import BadStepGuard, CompileHealthWatch, FaultPlan, NonFiniteSteps, StopFlag
 from dflash_train.train.loss import LossMix, LossStats, summarize
