@@ -34,6 +34,15 @@ SPECULATORS = {"tok_s": 18.5e3, "s_per_step": 0.166, "peak_gib": 37.0}  # specul
 PAPER_TARGET = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                     num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                     rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1e6)
+# Qwen3-30B-A3B's shapes (a mixture of experts: 128 experts, 8 per token, every layer sparse)
+MOE_TARGET = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
+                  num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                  num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                  vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                  tie_word_embeddings=False, rope_theta=1e6)
+SMALL_MOE_TARGET = dict(MOE_TARGET, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
+                        num_experts_per_tok=2, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+                        head_dim=16, vocab_size=512, max_position_embeddings=4096)
 SMALL_TARGET = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096,
                     rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1e6)
@@ -300,28 +309,41 @@ def reset_peak_memory(device: torch.device) -> None:
 # Models
 
 
-def target_config(small: bool, layers: int | None = None):
-    """A Qwen3Config with the Qwen3-8B shapes (or the tiny smoke shapes); SDPA attention."""
-    from transformers import Qwen3Config
+def target_config(small: bool, layers: int | None = None, arch: str = "qwen3"):
+    """A Qwen3Config with the Qwen3-8B shapes, or (arch "qwen3-moe") a Qwen3MoeConfig with the
+    Qwen3-30B-A3B shapes; tiny smoke shapes with `small`. SDPA attention."""
+    from transformers import Qwen3Config, Qwen3MoeConfig
 
-    kw = dict(SMALL_TARGET if small else PAPER_TARGET)
+    if arch not in ("qwen3", "qwen3-moe"):
+        raise ValueError(f"arch {arch!r}: expected qwen3 or qwen3-moe")
+    moe = arch == "qwen3-moe"
+    kw = dict((SMALL_MOE_TARGET if small else MOE_TARGET) if moe else (SMALL_TARGET if small else PAPER_TARGET))
     if layers is not None:
         kw["num_hidden_layers"] = layers
-    return Qwen3Config(**kw, attn_implementation="sdpa")
+    return (Qwen3MoeConfig if moe else Qwen3Config)(**kw, attn_implementation="sdpa")
+
+
+def active_mlp_params(cfg) -> int | None:
+    """Parameters one token runs through in a layer's MLP of a mixture of experts (router plus
+    top_k experts' gate, up and down projections); None for a dense config."""
+    experts = getattr(cfg, "num_experts", None)
+    if not experts:
+        return None
+    return cfg.hidden_size * experts + cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
 
 
 def random_target(cfg, device: torch.device, dtype: torch.dtype, std: float = 0.02):
-    """Qwen3ForCausalLM with random weights, frozen, in eval mode.
+    """A causal LM of `cfg`'s architecture with random weights, frozen, in eval mode.
 
     Built on the meta device and materialised with `to_empty` on the target device, then filled
     with normal(0, std) (norm weights 1): an 8B model is ready in seconds on a GPU. The rotary
     embedding's non-persistent `inv_freq` buffers, left uninitialised by `to_empty`, are copied
     from a freshly constructed rotary module.
     """
-    from transformers import Qwen3ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        model = Qwen3ForCausalLM(cfg)
+        model = AutoModelForCausalLM.from_config(cfg)
     model = model.to(dtype).to_empty(device=device)
     generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():

@@ -37,7 +37,7 @@ def dflash_flops(*, hidden: int, num_heads: int, num_kv_heads: int, head_dim: in
                  vocab: int, drafter_layers: int, seq_len: int, num_anchors: int, block_size: int,
                  target_layers: int, tap_layers=(1, 9, 17, 25, 33), batch: int = 1,
                  mean_context: float | None = None, attention: str = "visible",
-                 tied_embeddings: bool = False) -> dict:
+                 tied_embeddings: bool = False, target_mlp_params: int | None = None) -> dict:
     """FLOPs of one DFlash drafter train step and of the target prefill that feeds it.
 
     Shapes (the drafter shares the target's width, heads and vocabulary, spec 1.1):
@@ -68,6 +68,10 @@ def dflash_flops(*, hidden: int, num_heads: int, num_kv_heads: int, head_dim: in
       full      the whole decoder (all L_t layers), e.g. `taps(..., return_last_hidden=True)`
       issue     2 * ALL params (embedding and lm_head included) * S + causal attention of all
                 layers: the convention behind the issue's 53.1 TFLOP (a full LM forward)
+
+    `target_mlp_params` replaces the target's per-layer MLP parameter count 3*H*I: for a mixture of
+    experts, the parameters a token actually runs through (router + top_k experts' gate, up, down),
+    so that MFU counts active parameters only.
 
     Returns a dict of FLOP counts (floats) for `batch` sequences: keys `drafter` (components,
     `fwd`, `train`) and `target` (`per_layer`, `tapped`, `full_decoder`, `issue_convention`),
@@ -100,7 +104,8 @@ def dflash_flops(*, hidden: int, num_heads: int, num_kv_heads: int, head_dim: in
     drafter["fwd"] = sum(fwd.values()) * batch
     drafter["train"] = sum(v * train_factor[k] for k, v in fwd.items()) * batch
 
-    per_layer_params = H * q_width + 2 * H * kv_width + q_width * H + 3 * H * I
+    mlp_params = 3 * H * I if target_mlp_params is None else target_mlp_params
+    per_layer_params = H * q_width + 2 * H * kv_width + q_width * H + mlp_params
     causal_pairs = S * (S + 1) / 2
     per_layer = 2 * per_layer_params * S + 4 * hq * d * causal_pairs
     used_layers = max(tap_layers) + 1

@@ -4,6 +4,10 @@
     python bench/target_prefill.py --batch 1           # the pipeline's micro-batch
     python bench/target_prefill.py --small             # tiny shapes, CPU, seconds
     python bench/target_prefill.py --precision fp8     # float8 decoder linears (torchao, sm89+), taps' error
+    python bench/target_prefill.py --arch qwen3-moe    # a random Qwen3-30B-A3B-shaped mixture of experts
+
+For a mixture of experts MFU counts active parameters only (router + the top_k experts a token is
+routed to), and the experts run through transformers' default experts implementation.
 
 Figures: tokens/s, MFU (against a bf16 matmul peak measured in the same run; model FLOPs of the
 layers actually run, bench/flops.py "tapped"), peak memory, and the time saved by stopping after
@@ -33,6 +37,8 @@ def parse(argv=None):
     p.add_argument("--device", default="auto", help="auto, cpu, cuda")
     p.add_argument("--batch", type=int, help="sequences per forward (default 4; 2 with --small)")
     p.add_argument("--seq-len", type=int, help="S (default 3072; 128 with --small)")
+    p.add_argument("--arch", default="qwen3", choices=("qwen3", "qwen3-moe"),
+                   help="qwen3: Qwen3-8B shapes; qwen3-moe: Qwen3-30B-A3B shapes (128 experts, 8 active)")
     p.add_argument("--layers", type=int, help="target layers (default 36; 8 with --small)")
     p.add_argument("--taps", help="comma-separated z-lab tap ids (default: build_target_layer_ids(L, 5))")
     p.add_argument("--steps", type=int, help="timed forwards (default 5; 3 with --small)")
@@ -58,7 +64,7 @@ def main(argv=None) -> int:
     a = parse(argv)
     b, device = C.start("target_prefill", a)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    b.info.update(device=str(device), dtype=str(dtype), batch=a.batch, seq_len=a.seq_len, precision=a.precision,
+    b.info.update(device=str(device), dtype=str(dtype), arch=a.arch, batch=a.batch, seq_len=a.seq_len, precision=a.precision,
                   fp8_recipe=a.fp8_recipe if a.precision == "fp8" else None)
     st: dict = {}
 
@@ -66,10 +72,10 @@ def main(argv=None) -> int:
         from dflash_train.model.taps import build_target_layer_ids
         from dflash_train.model.target import Target
 
-        cfg = C.target_config(a.small, a.layers)
+        cfg = C.target_config(a.small, a.layers, a.arch)
         layer_ids = ([int(x) for x in a.taps.split(",")] if a.taps
                      else build_target_layer_ids(cfg.num_hidden_layers, 5))
-        target = Target(model=C.random_target(cfg, device, dtype), tokenizer=None, name="random-qwen3")
+        target = Target(model=C.random_target(cfg, device, dtype), tokenizer=None, name=f"random-{a.arch}")
         compiled = a.compile if a.compile is not None else device.type == "cuda"
         b.info["compiled"] = compiled
         ids = C.synthetic_ids(a.batch, a.seq_len, cfg.vocab_size, seed=0).to(device)
@@ -85,10 +91,16 @@ def main(argv=None) -> int:
                              num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                              intermediate=cfg.intermediate_size, vocab=cfg.vocab_size, drafter_layers=1,
                              seq_len=a.seq_len, num_anchors=1, block_size=2, target_layers=cfg.num_hidden_layers,
-                             tap_layers=layer_ids, batch=a.batch, tied_embeddings=bool(cfg.tie_word_embeddings))["target"]
+                             tap_layers=layer_ids, batch=a.batch, tied_embeddings=bool(cfg.tie_word_embeddings),
+                             target_mlp_params=C.active_mlp_params(cfg))["target"]
         st.update(target=target, ids=ids, mask=mask, layer_ids=layer_ids, flops=flops)
         params = sum(p.numel() for p in target.model.parameters())
-        b.log(f"target {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {params / 1e9:.2f}B params, {dtype}; "
+        if C.active_mlp_params(cfg):  # a mixture of experts: the parameters a token runs through
+            b.info["experts_implementation"] = str(getattr(target.model.config, "_experts_implementation", None))
+            active = params - cfg.num_hidden_layers * (cfg.num_experts - cfg.num_experts_per_tok) * 3 * \
+                cfg.hidden_size * cfg.moe_intermediate_size
+            b.figure("target_active_params_b", active / 1e9, f"experts: {b.info['experts_implementation']}")
+        b.log(f"target {a.arch} {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {params / 1e9:.2f}B params, {dtype}; "
               f"taps {layer_ids} -> runs {flops['tapped_layers']} layers; input {tuple(ids.shape)}")
         b.figure("target_params_b", params / 1e9)
         b.figure("tflop_per_forward_tapped", flops["tapped"] / 1e12, f"{flops['tapped_layers']} layers, causal attention")

@@ -24,6 +24,8 @@ CASES = {
                      ["tokens_per_s", "step_time_median_s", "mfu", "matmul_peak_tflops", "tflop_per_step"]),
     "target_prefill": ([sys.executable, "bench/target_prefill.py", "--profile", "1"],
                        ["tokens_per_s", "prefill_s", "mfu", "full_decoder_s"]),
+    "target_prefill_moe": ([sys.executable, "bench/target_prefill.py", "--arch", "qwen3-moe"],
+                           ["tokens_per_s", "mfu", "target_active_params_b"]),
     "flex_tune": ([sys.executable, "bench/flex_tune.py", "--reps", "2"], ["variant0_ms"]),
     "pipeline": (TORCHRUN + ["bench/pipeline.py"],
                  ["tokens_per_s", "drafter_busy_fraction", "target_busy_fraction", "drafter_capacity_tok_s",
@@ -54,10 +56,28 @@ def test_bench_small(name, tmp_path):
                           text=True, timeout=300)
     log = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, log
-    assert f"VERDICT {name}: OK" in proc.stdout, log
+    assert f"VERDICT {name.removesuffix('_moe')}: OK" in proc.stdout, log
     figures = results(proc.stdout)
     assert figures, log
     assert all(math.isfinite(v) for v in figures.values()), figures
     for key in positive:
         assert figures.get(key, 0) > 0, (key, figures)
     assert json.loads(out.read_text()), "empty JSON"
+
+
+def test_moe_shapes_have_qwen3_30b_a3b_parameter_counts():
+    """The MoE bench's MFU counts active parameters: at the Qwen3-30B-A3B shapes they must be the
+    published 30.5B total / 3.3B activated (Qwen3 technical report), counted from the config."""
+    sys.path.insert(0, str(REPO))
+    from bench import _common as C
+
+    cfg = C.target_config(False, None, "qwen3-moe")
+    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+    attention = 2 * h * q + 2 * h * kv
+    all_experts = cfg.num_experts * 3 * h * cfg.moe_intermediate_size + h * cfg.num_experts
+    embeddings = 2 * cfg.vocab_size * h
+    total = cfg.num_hidden_layers * (attention + all_experts) + embeddings
+    active = cfg.num_hidden_layers * (attention + C.active_mlp_params(cfg)) + embeddings
+    assert total / 1e9 == pytest.approx(30.5, abs=0.05)
+    assert active / 1e9 == pytest.approx(3.3, abs=0.06)
+    assert C.active_mlp_params(C.target_config(False)) is None

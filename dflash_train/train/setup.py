@@ -126,11 +126,18 @@ def _dense(weight: torch.Tensor) -> torch.Tensor:
     return dequantize() if callable(dequantize) and type(weight) is not torch.Tensor else weight
 
 
+def data_source_name(cfg: RunConfig, target) -> str:
+    """The target as the data caches' keys name it: the model and the numerics its answers and taps
+    come from (dtype; fp8 decoder linears), so a run with other numerics never reads another's cache."""
+    name = f"{cfg.target.model}|{str(target.dtype).removeprefix('torch.')}"
+    return f"{name}|fp8" if cfg.target.precision == "fp8" else name
+
+
 def load_or_build_samples(cfg: RunConfig, target, topo: Topology, work_dir: Path, log, heartbeat=None):
     """The main drafter rank prepares (and caches) the samples; every other rank waits, then reads."""
     path = None
     if topo.is_main or not topo.distributed:
-        path = prepare_samples(cfg.data, target, cfg.target.model, work_dir, cfg.train.seed, log, heartbeat)
+        path = prepare_samples(cfg.data, target, data_source_name(cfg, target), work_dir, cfg.train.seed, log, heartbeat)
     if topo.distributed:
         holder = [str(path) if path else None]
         dist.broadcast_object_list(holder, src=topo.drafter_ranks[0])
@@ -146,7 +153,7 @@ def taps_from_regeneration(cfg: RunConfig, topo: Topology) -> bool:
 
 def prepare_tapped(cfg: RunConfig, target, layer_ids, spec: TapsSpec, work_dir: Path, log, heartbeat=None) -> Data:
     (train, train_rows), (held_out, held_out_rows) = prepare_tapped_samples(
-        cfg.data, target, cfg.target.model, layer_ids, work_dir, cfg.train.seed, log, heartbeat,
+        cfg.data, target, data_source_name(cfg, target), layer_ids, work_dir, cfg.train.seed, log, heartbeat,
         final_hidden=FINAL_HIDDEN in spec.names)
     return Data(train, held_out, (StoredRows.in_memory(train_rows, spec.names),
                                   StoredRows.in_memory(held_out_rows, spec.names)))

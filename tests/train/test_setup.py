@@ -38,3 +38,23 @@ def test_the_main_drafter_rank_keeps_the_whole_target_to_regenerate():
     assert "data.regenerate" in said[0] and "dflash-train regenerate" in said[0]
     assert target_subset(_cfg("data.regenerate=true"), _disaggregated(3), said.append) == \
            TargetSubset(last_layers=2, final_norm=True)
+
+
+def test_data_caches_are_keyed_by_the_targets_numerics(tiny_qwen3_target):
+    """A bf16 or FP8 target answers and taps differently from a float32 one: their data caches in a
+    shared work dir must not be read by a run with other numerics (keys name dtype and precision)."""
+    import copy
+
+    import torch
+
+    from dflash_train.data.dataset import cache_key
+    from dflash_train.train.setup import data_source_name
+
+    cfg = _cfg()
+    bf16 = copy.deepcopy(tiny_qwen3_target)
+    bf16.model.to(torch.bfloat16)
+    names = {data_source_name(cfg, tiny_qwen3_target), data_source_name(cfg, bf16),
+             data_source_name(_cfg("target.precision=fp8"), tiny_qwen3_target)}
+    assert len(names) == 3, names
+    assert len({cache_key(cfg.data, name, 0) for name in names}) == 3
+    assert data_source_name(cfg, tiny_qwen3_target) == f"{cfg.target.model}|float32"
