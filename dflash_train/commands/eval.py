@@ -14,7 +14,7 @@ from dflash_train.validate import validate_eval as validate  # noqa: F401 - the 
 
 HELP = "real speculative decoding: tau, per-position acceptance, speedup"
 RECIPE = None
-READS = ("eval", "target", "data.thinking", "train.seed", "topology.device")
+READS = ("eval", "target", "data.thinking", "train.seed", "topology.device", "loss.gamma", "loss.chunk_tokens")
 ALIASES = (
     Alias("--drafter", "eval.drafter"), Alias("--target", "target.model"), Alias("--gguf-file", "target.gguf_file"),
     Alias("--prompts", "eval.prompts"), Alias("--num-prompts", "eval.num_prompts"),
@@ -44,11 +44,33 @@ def run(cfg) -> str:
           + f"; max {e.max_new_tokens} new tokens, temperature {e.temperature}", flush=True)
     report = evaluate(drafter, target, sets, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                       thinking=cfg.data.thinking, block_size=e.block_size, seed=cfg.train.seed, out_dir=e.out_dir,
-                      progress=e.progress)
+                      progress=e.progress, simulate=_simulator(cfg, drafter, target))
     _print_report(report, e.temperature)
     overall = report["overall"]
     return (f"tau={overall['tau']:.3f} speedup={overall['speedup']:.2f}x ({overall['num_prompts']} prompts, "
             f"{overall['spec_tokens']} tokens)")
+
+
+def _simulator(cfg, drafter, target):
+    """The train/serve check beside each set's real tau: training's simulated tau (every eligible
+    anchor, the drafter's own block size) on the very text the set decoded. None when `eval.block_size`
+    decodes with another block size than the drafter was trained for (the two would not compare)."""
+    import torch
+
+    from dflash_train.config import derived_gamma
+    from dflash_train.train.loop import simulator
+    from dflash_train.train.step import StepContext
+
+    dcfg = drafter.config
+    if cfg.eval.block_size not in (None, dcfg.block_size):
+        print(f"eval: no simulated tau (eval.block_size={cfg.eval.block_size}, the drafter's is {dcfg.block_size})",
+              flush=True)
+        return None
+    ctx = StepContext(embed_weight=target.embed_weight.detach(), lm_head_weight=target.lm_head_weight.detach(),
+                      drafter=dcfg, gamma=derived_gamma(dcfg.block_size, cfg.loss.gamma),
+                      chunk_tokens=cfg.loss.chunk_tokens, backend="sdpa", device=target.device,
+                      autocast_dtype=torch.bfloat16 if target.device.type == "cuda" else None)
+    return simulator(drafter, target, ctx)
 
 
 def _print_report(report: dict, temperature: float) -> None:

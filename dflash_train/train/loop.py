@@ -349,6 +349,9 @@ def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log, he
     """Real speculative decoding of the exported drafter against the target, on held-out prompts,
     with the simulated tau of the same decoded text beside each set's real tau."""
     drafter = load_zlab(drafter_dir, device=target.device, dtype=target.dtype)
+    if cfg.target.precision == "fp8":
+        log("eval: the target decodes in FP8 (target.precision=fp8): at batch 1 that is ~5x slower than bf16 "
+            "on an H200 (dynamic activation scaling at every linear; docs/LOG.md, session 7)")
     with torch.compiler.set_stance("force_eager"):  # decoding shapes change every step: no compiled layers
         report = evaluate(drafter, target, _eval_prompt_sets(cfg, target, out_dir), max_new_tokens=cfg.eval.max_new_tokens,
                           temperature=cfg.eval.temperature, thinking=cfg.data.thinking, seed=cfg.train.seed,

@@ -87,6 +87,8 @@ def test_cli_eval_end_to_end(tiny_qwen3_target, tiny_qwen3_dir, prompts_file, tm
     assert "dflash-train eval: OK tau=" in text and "speedup=" in text
     report = json.loads((out / "report.json").read_text())
     assert list(report["sets"]) == ["mine"] and report["sets"]["mine"]["num_prompts"] == 2
+    # the train/serve check: training's simulated tau on the decoded text, in the report and the table
+    assert 1.0 <= report["sets"]["mine"]["sim_tau"] <= 4.0 and "sim tau" in text
     assert report["thinking"] is False and report["max_new_tokens"] == 10
     assert (out / PER_POSITION_PNG).is_file() and (out / HISTOGRAM_PNG).is_file()
 
