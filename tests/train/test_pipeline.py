@@ -170,3 +170,17 @@ def test_offline_training_from_prepared_shards(tiny_target_dir, tmp_path):
     assert "from shards" in proc.stdout
     got = losses(out)
     assert sorted(got) == list(range(1, STEPS + 1)) and all(v > 0 for v in got.values())
+
+
+def test_padded_micro_batches_match_one_sequence_at_a_time(colocated, tiny_target_dir, tmp_path):
+    """train.micro_batch=4 (one padded forward of the step's 4 sequences) against the colocated run's
+    micro_batch=1 (4 accumulated forwards): the same loss at every step. The GPU recipe's steps are
+    launch-bound at micro_batch 1 (docs/LOG.md, session 7), so larger micro-batches must not change
+    what is learned."""
+    _, expected = colocated
+    proc = run(1, tiny_target_dir, tmp_path, "train.micro_batch=4")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = losses(tmp_path)
+    assert sorted(got) == sorted(expected)
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=1e-4, abs=1e-6), step
