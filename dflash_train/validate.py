@@ -201,9 +201,9 @@ def _target_width_problems(model: str, size: int) -> list[str]:
         return []
     text = json.loads(config_file.read_text())
     text = text.get("text_config", text)
-    widths = {k: text.get(k) for k in ("num_attention_heads", "num_key_value_heads", "intermediate_size",
-                                       "moe_intermediate_size")}
-    bad = [f"{k}={n}" for k, n in widths.items() if isinstance(n, int) and n % size]
+    from dflash_train.model.tensor_parallel import indivisible_widths  # torch.distributed only, no weights
+
+    bad = [f"{k}={n}" for k, n in indivisible_widths(text, size).items()]
     if not bad:
         return []
     return [f"target {model}: {', '.join(bad)} not divisible by topology.target_group_size={size}: use a group "

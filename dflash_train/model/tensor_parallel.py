@@ -12,6 +12,13 @@ Fused MoE experts (3-D `gate_up_proj` / `down_proj` parameters, `packed_colwise`
 `moe_tp_experts` in the plan) are no `nn.Linear`, so torch's styles cannot shard them; those
 entries go through transformers' own DTensor styles of the same names (each rank keeps its slice
 of every expert's intermediate width and the experts' outputs are summed over the group).
+
+Hybrid targets (Qwen3-Next, Qwen3.5) have attention in some layers and linear attention in the
+others; plan entries are expanded to the concrete modules each layer has. Their linear-attention
+projections are `colwise_gather_output` in transformers' plans: weights sharded, outputs gathered,
+the recurrence computed whole on every rank. Sliding-window layers (Gemma 3) shard like full ones.
+A plan that shards no decoder layer (gpt-oss's names only its embedding) is refused: every rank
+would hold the whole target. Tested against single-process taps: tests/model/test_tensor_parallel.py.
 """
 
 from __future__ import annotations
@@ -34,8 +41,8 @@ _TORCH_STYLES = {
     "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate(), use_local_output=True),
 }
 # q_norm / k_norm act on one head's head_dim: the same on every rank's heads; their gradient
-# all-reduce is for training, and a target is frozen.
-_NOTHING_TO_DO = ("replicated_with_grad_allreduce", "replicate")
+# all-reduce is for training, and a target is frozen. Embeddings stay whole (module doc).
+_NOTHING_TO_DO = ("replicated_with_grad_allreduce", "replicate", "embedding_rowwise")
 # fused experts: transformers' styles (see module doc)
 _TRANSFORMERS_STYLES = ("packed_colwise", "packed_rowwise", "moe_tp_experts")
 # an expert's `down_proj` is a 3-D parameter that the plan calls "rowwise"
@@ -51,17 +58,25 @@ def tp_plan_of(config) -> dict[str, str]:
     return dict(plan)
 
 
+# the config fields whose widths a group shards: whole heads per rank, equal MLP slices (hybrid
+# targets' linear-attention layers shard their heads too)
+SHARDED_WIDTHS = ("num_attention_heads", "num_key_value_heads", "intermediate_size", "moe_intermediate_size",
+                  "linear_num_key_heads", "linear_num_value_heads")
+
+
+def indivisible_widths(widths: dict, tp: int) -> dict[str, int]:
+    """The widths among `widths` (field -> value; None or absent when a target has none) that `tp` does not divide."""
+    return {name: n for name, n in widths.items() if name in SHARDED_WIDTHS and isinstance(n, int) and n % tp}
+
+
 def check_tp_divisible(config, tp: int) -> None:
     """Every sharded width divides by the group size: a shard is whole heads and equal slices."""
     text = config.get_text_config()
-    widths = {"num_attention_heads": getattr(text, "num_attention_heads", None),
-              "num_key_value_heads": getattr(text, "num_key_value_heads", None),
-              "intermediate_size": getattr(text, "intermediate_size", None),
-              "moe_intermediate_size": getattr(text, "moe_intermediate_size", None)}
-    bad = {name: n for name, n in widths.items() if n is not None and n % tp}
+    widths = {name: getattr(text, name, None) for name in SHARDED_WIDTHS}
+    bad = indivisible_widths(widths, tp)
     if bad:
         listed = ", ".join(f"{name}={n}" for name, n in bad.items())
-        divisors = [d for d in range(1, tp + 1) if all(n % d == 0 for n in widths.values() if n is not None)]
+        divisors = [d for d in range(1, tp + 1) if not indivisible_widths(widths, d)]
         raise ValueError(f"target {text.model_type}: {listed} not divisible by topology.target_group_size={tp}; "
                          f"group sizes that divide every sharded width: {divisors}")
 
@@ -77,6 +92,16 @@ def shard_target(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     check_tp_divisible(model.config, tp)
     if tp == 1:
         return model
+    torch_plan, hf_plan = split_plan(model)
+    parallelize_module(model, mesh, torch_plan, src_data_rank=None)
+    if hf_plan:
+        _apply_transformers_styles(model, mesh, hf_plan)
+    return model
+
+
+def split_plan(model: nn.Module) -> tuple[dict, dict]:
+    """The config's plan as (torch styles by concrete module name, transformers styles by pattern for
+    fused experts); refuses a style it cannot apply and a plan that shards no decoder layer."""
     prefix = model.base_model_prefix
     torch_plan, hf_plan = {}, {}
     for pattern, style in tp_plan_of(model.config).items():
@@ -86,21 +111,24 @@ def shard_target(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
         if style in _TRANSFORMERS_STYLES or _EXPERT_PARAM.search(pattern):
             hf_plan[name] = style
         elif style in _TORCH_STYLES:
-            torch_plan[name] = _TORCH_STYLES[style]()
+            torch_plan[name] = _TORCH_STYLES[style]
         else:
             raise ValueError(f"target {model.config.model_type}: tensor-parallel style {style!r} of {pattern!r} "
                              "is not supported; use topology.target_group_size=1")
-    torch_plan = {name: style for name, style in torch_plan.items() if _matches_any(model, name)}
-    parallelize_module(model, mesh, torch_plan, src_data_rank=None)
-    if hf_plan:
-        _apply_transformers_styles(model, mesh, hf_plan)
-    return model
+    # concrete names: hybrid targets' layers differ (linear_attn or self_attn), and a dense entry of
+    # an all-MoE model names nothing; a wildcard torch cannot resolve everywhere only warns
+    modules = [name for name, _ in model.named_modules()]
+    torch_plan = {name: make() for pattern, make in torch_plan.items() for name in _matching(modules, pattern)}
+    if not torch_plan and not hf_plan:
+        raise ValueError(f"target {model.config.model_type}: its tensor-parallel plan "
+                         f"{tp_plan_of(model.config)} shards no decoder layer (each rank would hold the whole "
+                         "target); use topology.target_group_size=1")
+    return torch_plan, hf_plan
 
 
-def _matches_any(model: nn.Module, pattern: str) -> bool:
-    """A plan entry names modules the model has (a dense entry of an all-MoE model has none)."""
+def _matching(names: list[str], pattern: str) -> list[str]:
     regex = _pattern_regex(pattern)
-    return any(regex.match(name) for name, _ in model.named_modules())
+    return [name for name in names if regex.match(name)]
 
 
 def _pattern_regex(pattern: str) -> re.Pattern:
