@@ -30,6 +30,7 @@ def test_tiny_recipe_runs_end_to_end_on_smollm2(tmp_path):
         assert figures["num_prompts"] == 2 and figures["identical_outputs"] == 2, figures
         assert 1.0 <= figures["sim_tau"] <= config["block_size"], figures  # the train/serve check ran
     assert "simulated on the same text" in proc.stdout
+    assert "a draft+verify cycle costs" in proc.stdout  # the cycle in plain decode steps, per set
     assert (out / "eval" / "acceptance_per_position.png").is_file()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]

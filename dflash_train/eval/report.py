@@ -8,6 +8,9 @@ Definitions (per set of prompts, pooled over all verification steps of all promp
 - histogram[j] (j = 0..B-1) = number of steps with acc == j.
 - tokens/s = generated tokens / wall seconds (prefill included) summed over the set's prompts, for
   speculative and plain target decoding alike; speedup = their ratio.
+- cycle = the wall time of one draft+verify cycle in plain decode steps: (spec seconds / steps) /
+  (target seconds / target tokens). speedup = tau / cycle up to the prefills both include: what a
+  cycle costs on this machine, whatever the drafter's quality.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ def summarize(spec: Sequence[SpecResult], plain: Sequence[GenResult], block_size
         "target_seconds": plain_s,
         "target_tokens_per_s": plain_rate,
         "speedup": spec_rate / plain_rate if plain_rate else 0.0,
+        "cycle_plain_steps": (spec_s / stats["steps"]) / (plain_s / plain_tokens)
+        if stats["steps"] and plain_s and plain_tokens else 0.0,
         # Greedy spec decoding must reproduce the target; in bf16 a near-tie can flip one token.
         "identical_outputs": sum(1 for s, p in zip(spec, plain) if s.tokens == p.tokens),
     }
@@ -121,7 +126,7 @@ def lossless_note(figures: dict, float32: bool, temperature: float) -> str | Non
 def summary_table(sets: dict[str, dict]) -> str:
     """Fixed-width table: one row per set, acceptance of the first slots included."""
     head = f"{'set':<12}{'prompts':>8}{'tokens':>8}{'steps':>7}{'tau':>7}  {'acc@1..4':<24}" \
-           f"{'spec tok/s':>11}{'target tok/s':>13}{'speedup':>9}{'same':>6}"
+           f"{'spec tok/s':>11}{'target tok/s':>13}{'speedup':>9}{'cycle':>7}{'same':>6}"
     with_sim = any("sim_tau" in s for s in sets.values())
     head += f"{'sim tau':>9}" if with_sim else ""
     rows = [head, "-" * len(head)]
@@ -130,5 +135,5 @@ def summary_table(sets: dict[str, dict]) -> str:
         sim = (f"{s['sim_tau']:>9.2f}" if "sim_tau" in s else f"{'-':>9}") if with_sim else ""
         rows.append(f"{name:<12}{s['num_prompts']:>8}{s['spec_tokens']:>8}{s['steps']:>7}{s['tau']:>7.2f}  "
                     f"{acc:<24}{s['spec_tokens_per_s']:>11.1f}{s['target_tokens_per_s']:>13.1f}"
-                    f"{s['speedup']:>8.2f}x{s['identical_outputs']:>6}{sim}")
+                    f"{s['speedup']:>8.2f}x{s.get('cycle_plain_steps', 0.0):>7.2f}{s['identical_outputs']:>6}{sim}")
     return "\n".join(rows)

@@ -36,6 +36,7 @@ def test_summarize_pools_steps_and_times():
     assert s["spec_tokens_per_s"] == pytest.approx(30 / 5.0)
     assert s["target_tokens_per_s"] == pytest.approx(30 / 10.0)
     assert s["speedup"] == pytest.approx(2.0)
+    assert s["cycle_plain_steps"] == pytest.approx((5.0 / 6) / (10.0 / 30))  # 6 cycles in 5 s; 30 plain tokens in 10 s
     assert s["num_prompts"] == 2 and s["identical_outputs"] == 1
 
 
