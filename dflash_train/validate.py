@@ -272,6 +272,7 @@ def validate_eval(cfg: RunConfig) -> None:
 
 def validate_regenerate(cfg: RunConfig) -> None:
     _fail(config_problems(cfg) + _required(cfg, "data.regen_out", "the JSONL to write the responses to")
+          + prepare_group_problems(cfg, int(os.environ.get("WORLD_SIZE", "1")), "regenerate")
           + target_problems(cfg) + data_problems(cfg))
 
 
@@ -284,11 +285,11 @@ def validate_prepare(cfg: RunConfig) -> None:
           + data_problems(cfg))
 
 
-def prepare_group_problems(cfg: RunConfig, world_size: int) -> list[str]:
-    """`prepare` under torchrun: whole target groups, each process placed by torchrun."""
+def prepare_group_problems(cfg: RunConfig, world_size: int, command: str = "prepare") -> list[str]:
+    """`prepare` or `regenerate` under torchrun: whole target groups, each process placed by torchrun."""
     size = cfg.topology.target_group_size
     if size < 1 or world_size % size:
-        return [f"topology.target_group_size={size} does not divide the {world_size} prepare processes: use a "
+        return [f"topology.target_group_size={size} does not divide the {world_size} {command} processes: use a "
                 f"divisor of {world_size}, or run torchrun with a multiple of {size} processes"]
     if world_size > 1 and cfg.topology.device is not None:
         return [f"topology.device={cfg.topology.device}: under torchrun each process takes cuda:LOCAL_RANK or the "

@@ -111,16 +111,19 @@ def _check_unique_ids(conversations: list[Conversation]) -> None:
 
 def regenerate(target, conversations: list[Conversation], out_path: str | Path, max_new_tokens: int,
                batch_size: int, temperature: float = 0.0, thinking: bool | None = None, seed: int = 0,
-               on_batch: Callable[[int], None] | None = None) -> RegenReport:
+               on_batch: Callable[[int], None] | None = None, done: set[str] | None = None,
+               write: bool = True) -> RegenReport:
     """Write target responses for every conversation not yet in `out_path` (see module doc).
 
     Prompts are sorted by length (longest first: little padding, and an OOM shows at once).
-    `on_batch(batch_index)` runs after each batch is durably written.
+    `on_batch(batch_index)` runs after each batch is durably written. `done` overrides the ids read
+    from `out_path`; `write=False` runs the same generation without writing (a target group's other
+    ranks, whose sharded forwards the writing rank needs).
     """
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     _check_unique_ids(conversations)
-    done = read_done_ids(out_path)
+    done = read_done_ids(out_path) if done is None else done
     todo = [c for c in conversations if c.id not in done]
     report = RegenReport(total=len(conversations), already_done=len(conversations) - len(todo))
     print(f"regenerate: {len(todo)} to generate, {report.already_done} already in {out_path}", flush=True)
@@ -144,7 +147,8 @@ def regenerate(target, conversations: list[Conversation], out_path: str | Path, 
                          "finish_reason": "stop" if stopped else "length", "new_tokens": len(tokens)})
             report.new_tokens += len(tokens)
             report.truncated += not stopped
-        _append_rows(out_path, rows)
+        if write:
+            _append_rows(out_path, rows)
         report.written += len(rows)
         bar.update(len(rows))
         bar.set_postfix(tok_s=f"{report.new_tokens / max(time.perf_counter() - t0, 1e-9):.0f}")
@@ -153,3 +157,27 @@ def regenerate(target, conversations: list[Conversation], out_path: str | Path, 
     bar.close()
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def group_part(out_path: str | Path, group: int) -> Path:
+    """Where target group `group` of a grouped `regenerate` appends its share (resumable like `out_path`)."""
+    out_path = Path(out_path)
+    return out_path.with_name(f"{out_path.stem}.group-{group:05d}{out_path.suffix or '.jsonl'}")
+
+
+def merge_parts(out_path: str | Path, parts: list[Path]) -> int:
+    """Rewrite `out_path` atomically as its own rows followed by the parts' rows it lacks (in part
+    order); returns the rows added. Re-running it changes nothing: the parts stay as resume state."""
+    from dflash_train import atomic
+
+    out_path = Path(out_path)
+    lines = out_path.read_text(encoding="utf-8").splitlines() if out_path.exists() else []
+    have = read_done_ids(out_path)
+    added = []
+    for part in parts:
+        for line in part.read_text(encoding="utf-8").splitlines() if part.exists() else []:
+            if line.strip() and (row_id := str(json.loads(line)["id"])) not in have:
+                have.add(row_id)
+                added.append(line)
+    atomic.write_text(out_path, "".join(line + "\n" for line in lines + added))
+    return len(added)
