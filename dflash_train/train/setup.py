@@ -56,9 +56,13 @@ def target_subset(cfg: RunConfig, topo: Topology, log) -> TargetSubset | None:
     if not topo.has_target_ranks or topo.is_target:
         return None
     if cfg.data.regenerate and topo.is_main:
+        groups = cfg.topology.target_group_size
+        how = (f"`torchrun --nproc-per-node={groups} -m dflash_train regenerate --out R.jsonl "
+               f"topology.target_group_size={groups}` (target groups, as training's)" if groups > 1
+               else "`dflash-train regenerate --out R.jsonl`")
         log("target: the whole target on the main drafter rank: data.regenerate generates the responses here; "
-            "run `dflash-train regenerate` first and train with data.regenerate=false to hold only its embedding "
-            "and lm_head")
+            f"to hold only its embedding and lm_head, regenerate first with {how} and train with "
+            "data.train=R.jsonl data.regenerate=false")
         return None
     copies = cfg.drafter.init_from_target
     return TargetSubset(last_layers=cfg.drafter.num_layers if copies else 0, final_norm=copies)
