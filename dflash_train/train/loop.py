@@ -237,72 +237,105 @@ def _train_drafter(p: Process, s: Setup) -> dict:
 def _loop(p: Process, s: Setup, t: Training):
     """The training loop: taps -> step -> log / held-out simulated tau / checkpoint. Returns the
     last held-out figures."""
-    cfg, topo, watchdog, progress, budget = p.cfg, p.topo, p.watchdog, t.progress, t.budget
-    optimizer, scheduler, guard = t.states["optimizer"], t.states["scheduler"], t.states["health"]
+    cfg, topo, progress, budget = p.cfg, p.topo, t.progress, t.budget
     metrics = MetricsLog(p.out_dir, s.total_steps, progress.step, topo.is_main, cfg.train.tensorboard)
     health = CompileHealthWatch(s.compiled, s.backend == "flex", progress.step, metrics.above_bar(p.log))
-    timer = ComputeTimer(p.device)
+    timer, interval, last_sim = ComputeTimer(p.device), _Interval(), None
     meta = {"config": cfg.to_dict(), "provenance": provenance(topo.world_size), "fingerprints": s.provenance.current}
-    last_sim = None
-    interval_tokens, interval_start = 0, time.perf_counter()
     budget.start(progress.step, progress.seconds)  # a resumed run continues its time budget
     p.stop.deferring = True
     while progress.step < _end(s, budget):
-        watchdog.beat("waiting for taps")
-        epoch, mbs = t.source.next_step()
-        p.faults.corrupt_taps(topo.rank, progress.step + 1, mbs)
-        watchdog.beat("drafter step")
-        timed = topo.has_target_ranks and balance.in_window(progress.step + 1)
-        if timed:
-            timer.start()
-        stats, grad_norm, flags = train_step(t.model, optimizer, scheduler, mbs, t.ctx, cfg.optim.grad_clip,
-                                             apply=not p.faults.skips(progress.step + 1))
-        if timed:
-            timer.stop(sum(mb.input_ids.shape[0] for mb in mbs))
-        progress.step += 1
+        epoch, mbs, stats, grad_norm = _one_step(p, s, t, timer)
         step = progress.step
-        guard.record(step, mbs, flags)
-        if _balance_due(p, s, step):
-            balance.share_and_report("drafter", timer.seconds_per_sequence(), topo, p.log, _bytes_per_sequence(mbs))
-        watchdog.timeout_s = cfg.train.watchdog_seconds  # warm-up (compilation) is over: strict from now
-        p.faults.inject_fault(topo.rank, step)
-        decided = budget.propose(step)
-        if decided is not None:
-            budget.record(_agree_min(decided, t.ctx))
-            metrics.write(f"step {step}: train.max_minutes={cfg.train.max_minutes} allows {budget.steps} steps at "
-                          f"the measured rate (recorded; the lr's cosine ends there)")
+        _decide_budget(p, t, metrics, step)
         last = step == _end(s, budget)
         health.after_step(step, last=last)
-        step_tokens = sum(int(mb.attention_mask.sum()) for mb in mbs) * topo.num_drafters
-        progress.tokens += step_tokens
-        interval_tokens += step_tokens
+        interval.add(progress, sum(int(mb.attention_mask.sum()) for mb in mbs) * topo.num_drafters)
         stopping = _agree(p.stop() or budget.spent(), t.ctx, step)
         if step % cfg.train.log_every == 0 or step % cfg.train.ckpt_every == 0 or last or stopping:
-            _check_finite(guard, s)  # same steps on every rank: all stop together, before a checkpoint
+            _check_finite(t.states["health"], s)  # same steps on every rank: all stop together, before a checkpoint
         if step % cfg.train.log_every == 0 or last or stopping:
-            if p.device.type == "cuda":  # the interval ends when its GPU work does (the record syncs anyway)
-                torch.cuda.synchronize(p.device)
-            rate = interval_tokens / max(time.perf_counter() - interval_start, 1e-9)
-            _log_step(metrics, _train_record(step, epoch, reduce_stats(stats, t.ctx), grad_norm, scheduler, rate)
-                      | {"skipped_steps": guard.total})
-            interval_tokens, interval_start = 0, time.perf_counter()
+            record = _train_record(step, epoch, reduce_stats(stats, t.ctx), grad_norm,
+                                   t.states["scheduler"], interval.rate(p.device))
+            _log_step(metrics, record | {"skipped_steps": t.states["health"].total})
         metrics.advance(1)
-        if topo.is_main and (step % cfg.train.eval_every == 0 or last or stopping):
-            with watchdog.stage("held-out simulated tau"):
-                last_sim = simulated_tau(t.drafter, t.held_out, t.ctx)
-            metrics.log({"step": step, "seconds": round(budget.elapsed(), 1), "eval": last_sim})
-            metrics.write(f"step {step}: held-out simulated tau {last_sim['sim_tau']:.3f}, acc {_fmt(last_sim['acc'])}")
-        if topo.is_main and (step % cfg.train.ckpt_every == 0 or last or stopping):
-            with watchdog.stage("checkpoint"):
-                progress.seconds = budget.elapsed()
-                path = s.checkpointer.save(step, t.weights, t.states, meta,
-                                           sim_tau=last_sim["sim_tau"] if last_sim else None)
-            metrics.write(f"step {step}: checkpoint {path}")
+        last_sim = _held_out_and_checkpoint(p, s, t, metrics, meta, step, last or stopping, last_sim)
         if stopping or (last and budget.steps is not None and step < s.total_steps):
             metrics.write(_stop_message(step, cfg, p.stop.signal))
             break
     p.stop.deferring = False
     metrics.close()
+    return last_sim
+
+
+class _Interval:
+    """Tokens trained since the last logged step, and when that interval began (the logged tok/s)."""
+
+    def __init__(self):
+        self.tokens, self.start = 0, time.perf_counter()
+
+    def add(self, progress, tokens: int) -> None:
+        progress.tokens += tokens
+        self.tokens += tokens
+
+    def rate(self, device: torch.device) -> float:
+        """Tokens per second over the interval, which ends when its GPU work does; then a new one."""
+        if device.type == "cuda":  # the record syncs anyway
+            torch.cuda.synchronize(device)
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.tokens, self.start = 0, time.perf_counter()
+        return rate
+
+
+def _one_step(p: Process, s: Setup, t: Training, timer: ComputeTimer):
+    """Receive (or read) the step's taps and train on them: (epoch, micro-batches, stats, grad norm)."""
+    topo, progress = p.topo, t.progress
+    p.watchdog.beat("waiting for taps")
+    epoch, mbs = t.source.next_step()
+    p.faults.corrupt_taps(topo.rank, progress.step + 1, mbs)
+    p.watchdog.beat("drafter step")
+    timed = topo.has_target_ranks and balance.in_window(progress.step + 1)
+    if timed:
+        timer.start()
+    stats, grad_norm, flags = train_step(t.model, t.states["optimizer"], t.states["scheduler"], mbs, t.ctx,
+                                         p.cfg.optim.grad_clip, apply=not p.faults.skips(progress.step + 1))
+    if timed:
+        timer.stop(sum(mb.input_ids.shape[0] for mb in mbs))
+    progress.step += 1
+    t.states["health"].record(progress.step, mbs, flags)
+    if _balance_due(p, s, progress.step):
+        balance.share_and_report("drafter", timer.seconds_per_sequence(), topo, p.log, _bytes_per_sequence(mbs))
+    p.watchdog.timeout_s = p.cfg.train.watchdog_seconds  # warm-up (compilation) is over: strict from now
+    p.faults.inject_fault(topo.rank, progress.step)
+    return epoch, mbs, stats, grad_norm
+
+
+def _decide_budget(p: Process, t: Training, metrics: MetricsLog, step: int) -> None:
+    """train.max_minutes: once the rate is measured, every rank records the same step count."""
+    decided = t.budget.propose(step)
+    if decided is not None:
+        t.budget.record(_agree_min(decided, t.ctx))
+        metrics.write(f"step {step}: train.max_minutes={p.cfg.train.max_minutes} allows {t.budget.steps} steps at "
+                      f"the measured rate (recorded; the lr's cosine ends there)")
+
+
+def _held_out_and_checkpoint(p: Process, s: Setup, t: Training, metrics: MetricsLog, meta: dict, step: int,
+                             final: bool, last_sim):
+    """On the main rank, when due (or `final`): held-out simulated tau, then a checkpoint. Returns the
+    latest held-out figures."""
+    cfg, progress = p.cfg, t.progress
+    if not p.topo.is_main:
+        return last_sim
+    if step % cfg.train.eval_every == 0 or final:
+        with p.watchdog.stage("held-out simulated tau"):
+            last_sim = simulated_tau(t.drafter, t.held_out, t.ctx)
+        metrics.log({"step": step, "seconds": round(t.budget.elapsed(), 1), "eval": last_sim})
+        metrics.write(f"step {step}: held-out simulated tau {last_sim['sim_tau']:.3f}, acc {_fmt(last_sim['acc'])}")
+    if step % cfg.train.ckpt_every == 0 or final:
+        with p.watchdog.stage("checkpoint"):
+            progress.seconds = t.budget.elapsed()
+            path = s.checkpointer.save(step, t.weights, t.states, meta, sim_tau=last_sim["sim_tau"] if last_sim else None)
+        metrics.write(f"step {step}: checkpoint {path}")
     return last_sim
 
 
