@@ -55,6 +55,7 @@ def test_flops_equal_bench_flops_at_the_paper_shapes(qwen3_8b):
     ("drafter step, B 32 / N 64 (PERF.md 3.1)", 19.1),
     ("target tapped prefill, 4 x 3072 (PERF.md 3.1)", 17.5),
     ("colocated Qwen3-8B train, paper recipe (issue 17)", 40.7),
+    ("Qwen3-30B-A3B tapped prefill, 4 x 3072 (PERF.md 3.1, session 7)", 58.4),
 ])
 def test_predictions_match_the_measured_h200_peaks(qwen3_8b, what, measured_gib):
     predicted = {
@@ -64,6 +65,8 @@ def test_predictions_match_the_measured_h200_peaks(qwen3_8b, what, measured_gib)
         "target tapped prefill, 4 x 3072 (PERF.md 3.1)": lambda: plan.target_memory(qwen3_8b, plan.RunShape(micro_batch=4)),
         "colocated Qwen3-8B train, paper recipe (issue 17)": lambda: plan.colocated_memory(
             qwen3_8b, plan.RunShape.from_run_config(recipes.get("paper"))),
+        "Qwen3-30B-A3B tapped prefill, 4 x 3072 (PERF.md 3.1, session 7)": lambda: plan.target_memory(
+            plan.target_shape(plan.load_target_config("qwen3-30b-a3b")), plan.RunShape(micro_batch=4)),
     }[what]().total_gib
     assert abs(predicted - measured_gib) / measured_gib < TOLERANCE, f"{what}: {predicted:.1f} vs {measured_gib}"
 
