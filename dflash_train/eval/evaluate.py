@@ -119,8 +119,8 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
     `target` is a `dflash_train.model.target.Target`; `drafter` an unwrapped `DFlashDrafter` on any
     device (taps and embeddings are moved to it). Returns the report: {"sets": {name: figures},
     "overall": figures pooled over all sets, settings...}; with `out_dir`, also writes
-    report.json and the PNG plots there. `simulate(sequences)`, given a set's (prompt ids, plain
-    greedy output ids) pairs, returns training's simulated tau on that very text, kept as the set's
+    report.json and the PNG plots there. `simulate(sequences)`, given a set's (prompt ids,
+    speculative output ids) pairs, returns training's simulated tau on that very text, kept as the set's
     "sim_tau": the train/serve check (a gap means the decode loop and training disagree).
     """
     check_compatible(drafter, target)
@@ -144,9 +144,11 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
         drafter.train(was_training)
     report = _assemble(results, block_size, opts, thinking, seed, time.perf_counter() - t0)
     if simulate is not None:  # the train/serve check: simulated acceptance on the text just decoded
-        for name, (_, plain) in results.items():
+        for name, (spec, _) in results.items():
+            # the speculative output, on which real tau was measured: in bf16 it can leave plain greedy's
+            # text at a near-tie, and acceptance on another text would not compare
             report["sets"][name]["sim_tau"] = simulate([(ids[0].tolist(), r.tokens) for ids, r in
-                                                        zip(encoded[name], plain)])
+                                                        zip(encoded[name], spec)])
     report["target"], report["device"] = getattr(target, "name", "?"), str(device)
     report["dtype"] = str(target.dtype).removeprefix("torch.")  # bf16 may flip near-tie greedy tokens
     cfg = drafter.config
