@@ -19,6 +19,7 @@ import torch.distributed as dist
 from dflash_train.config import RunConfig
 from dflash_train.data.records import Sample
 from dflash_train.data.text import check_data_format
+from dflash_train.diagnostics.threads import contention_notice
 from dflash_train.diagnostics.watchdog import Watchdog
 from dflash_train.eval.evaluate import evaluate
 from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
@@ -118,6 +119,9 @@ def train(cfg: RunConfig) -> dict:
 def _prepare(p: Process) -> Setup:
     """Target, drafter config, samples (and stored taps), batching, resume point."""
     cfg, topo = p.cfg, p.topo
+    notice = contention_notice(torch.get_num_threads())
+    if notice:
+        p.log(notice)
     with p.watchdog.stage("load target"):
         target = load_target(cfg.target.model, cfg.target.gguf_file, cfg.target.dtype, p.device,
                              cfg.target.trust_remote_code, check_tokenizer=lambda tok: check_data_format(
