@@ -26,6 +26,8 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
+from dflash_train import plan  # noqa: E402 - the known target shapes (pure config arithmetic)
+
 GIB = 1024 ** 3
 ISSUE_PEAK_TFLOPS = 790.0  # H200 bf16, the issue's figure
 SPECULATORS = {"tok_s": 18.5e3, "s_per_step": 0.166, "peak_gib": 37.0}  # speculators 0.9.0 baseline
@@ -34,12 +36,8 @@ SPECULATORS = {"tok_s": 18.5e3, "s_per_step": 0.166, "peak_gib": 37.0}  # specul
 PAPER_TARGET = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                     num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                     rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1e6)
-# Qwen3-30B-A3B's shapes (a mixture of experts: 128 experts, 8 per token, every layer sparse)
-MOE_TARGET = dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_experts=128,
-                  num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
-                  num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
-                  vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
-                  tie_word_embeddings=False, rope_theta=1e6)
+# Qwen3-30B-A3B's shapes (dflash_train/plan.py's, the one source), every layer sparse
+MOE_TARGET = {k: v for k, v in plan.QWEN3_30B_A3B.items() if k != "model_type"} | dict(rms_norm_eps=1e-6)
 SMALL_MOE_TARGET = dict(MOE_TARGET, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_experts=8,
                         num_experts_per_tok=2, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=16, vocab_size=512, max_position_embeddings=4096)
@@ -321,15 +319,6 @@ def target_config(small: bool, layers: int | None = None, arch: str = "qwen3"):
     if layers is not None:
         kw["num_hidden_layers"] = layers
     return (Qwen3MoeConfig if moe else Qwen3Config)(**kw, attn_implementation="sdpa")
-
-
-def active_mlp_params(cfg) -> int | None:
-    """Parameters one token runs through in a layer's MLP of a mixture of experts (router plus
-    top_k experts' gate, up and down projections); None for a dense config."""
-    experts = getattr(cfg, "num_experts", None)
-    if not experts:
-        return None
-    return cfg.hidden_size * experts + cfg.num_experts_per_tok * 3 * cfg.hidden_size * cfg.moe_intermediate_size
 
 
 def random_target(cfg, device: torch.device, dtype: torch.dtype, std: float = 0.02):

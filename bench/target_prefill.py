@@ -87,19 +87,20 @@ def main(argv=None) -> int:
             target.compile_layers()  # as the trainer does for a target that computes taps every step
         from bench.flops import dflash_flops
 
+        shape = C.plan.target_shape(cfg)  # parameter counts, active ones for a mixture of experts
+
         flops = dflash_flops(hidden=cfg.hidden_size, num_heads=cfg.num_attention_heads,
                              num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                              intermediate=cfg.intermediate_size, vocab=cfg.vocab_size, drafter_layers=1,
                              seq_len=a.seq_len, num_anchors=1, block_size=2, target_layers=cfg.num_hidden_layers,
                              tap_layers=layer_ids, batch=a.batch, tied_embeddings=bool(cfg.tie_word_embeddings),
-                             target_mlp_params=C.active_mlp_params(cfg))["target"]
+                             target_mlp_params=shape.active_mlp_params)["target"]
         st.update(target=target, ids=ids, mask=mask, layer_ids=layer_ids, flops=flops)
         params = sum(p.numel() for p in target.model.parameters())
-        if C.active_mlp_params(cfg):  # a mixture of experts: the parameters a token runs through
+        if shape.active_params < shape.total_params:  # a mixture of experts: what a token runs through
             b.info["experts_implementation"] = str(getattr(target.model.config, "_experts_implementation", None))
-            active = params - cfg.num_hidden_layers * (cfg.num_experts - cfg.num_experts_per_tok) * 3 * \
-                cfg.hidden_size * cfg.moe_intermediate_size
-            b.figure("target_active_params_b", active / 1e9, f"experts: {b.info['experts_implementation']}")
+            b.figure("target_active_params_b", shape.active_params / 1e9,
+                     f"experts: {b.info['experts_implementation']}")
         b.log(f"target {a.arch} {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {params / 1e9:.2f}B params, {dtype}; "
               f"taps {layer_ids} -> runs {flops['tapped_layers']} layers; input {tuple(ids.shape)}")
         b.figure("target_params_b", params / 1e9)

@@ -117,6 +117,13 @@ class TargetShape:
         per_expert = getattr(cfg, "moe_intermediate_size", None) or cfg.intermediate_size
         return cfg.num_experts_per_tok * per_expert + (getattr(cfg, "shared_expert_intermediate_size", 0) or 0)
 
+    @property
+    def active_mlp_params(self) -> int:
+        """Per token and layer, the MLP parameters it runs through: the dense MLP's gate, up and
+        down, or the router plus the active experts' (and any shared expert's)."""
+        experts = getattr(self.config, "num_experts", None) or getattr(self.config, "num_local_experts", None) or 0
+        return 3 * self.hidden * self.active_mlp_width + self.hidden * experts
+
 
 def load_target_config(spec: str):
     """A known shape name (`KNOWN_TARGETS`), an HF model directory or a config.json file."""

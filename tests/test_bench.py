@@ -66,18 +66,16 @@ def test_bench_small(name, tmp_path):
 
 
 def test_moe_shapes_have_qwen3_30b_a3b_parameter_counts():
-    """The MoE bench's MFU counts active parameters: at the Qwen3-30B-A3B shapes they must be the
-    published 30.5B total / 3.3B activated (Qwen3 technical report), counted from the config."""
+    """The MoE bench's MFU counts active parameters (plan.py's counts of the config it builds): at the
+    Qwen3-30B-A3B shapes they must be the published 30.5B total / 3.3B activated (Qwen3 report)."""
     sys.path.insert(0, str(REPO))
     from bench import _common as C
+    from dflash_train import plan
 
-    cfg = C.target_config(False, None, "qwen3-moe")
-    h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    attention = 2 * h * q + 2 * h * kv
-    all_experts = cfg.num_experts * 3 * h * cfg.moe_intermediate_size + h * cfg.num_experts
-    embeddings = 2 * cfg.vocab_size * h
-    total = cfg.num_hidden_layers * (attention + all_experts) + embeddings
-    active = cfg.num_hidden_layers * (attention + C.active_mlp_params(cfg)) + embeddings
-    assert total / 1e9 == pytest.approx(30.5, abs=0.05)
-    assert active / 1e9 == pytest.approx(3.3, abs=0.06)
-    assert C.active_mlp_params(C.target_config(False)) is None
+    shape = plan.target_shape(C.target_config(False, None, "qwen3-moe"))
+    assert shape.total_params / 1e9 == pytest.approx(30.5, abs=0.05)
+    assert shape.active_params / 1e9 == pytest.approx(3.3, abs=0.06)
+    h = shape.hidden  # per layer: the router plus 8 of 128 experts' gate, up and down
+    assert shape.active_mlp_params == h * 128 + 8 * 3 * h * 768
+    dense = plan.target_shape(C.target_config(False))
+    assert dense.active_mlp_params == 3 * 4096 * 12288
