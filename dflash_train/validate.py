@@ -272,7 +272,7 @@ def validate_eval(cfg: RunConfig) -> None:
 
 def validate_regenerate(cfg: RunConfig) -> None:
     _fail(config_problems(cfg) + _required(cfg, "data.regen_out", "the JSONL to write the responses to")
-          + prepare_group_problems(cfg, int(os.environ.get("WORLD_SIZE", "1")), "regenerate")
+          + torchrun_group_problems(cfg, int(os.environ.get("WORLD_SIZE", "1")), "regenerate")
           + target_problems(cfg) + data_problems(cfg))
 
 
@@ -281,11 +281,11 @@ def validate_prepare(cfg: RunConfig) -> None:
     if cfg.data.train == "default":
         problems.append("data.train=default holds prompts only (no assistant turns to tap): run `dflash-train "
                         "regenerate --out regenerated.jsonl` first and prepare from data.train=regenerated.jsonl")
-    _fail(problems + prepare_group_problems(cfg, int(os.environ.get("WORLD_SIZE", "1"))) + target_problems(cfg)
+    _fail(problems + torchrun_group_problems(cfg, int(os.environ.get("WORLD_SIZE", "1"))) + target_problems(cfg)
           + data_problems(cfg))
 
 
-def prepare_group_problems(cfg: RunConfig, world_size: int, command: str = "prepare") -> list[str]:
+def torchrun_group_problems(cfg: RunConfig, world_size: int, command: str = "prepare") -> list[str]:
     """`prepare` or `regenerate` under torchrun: whole target groups, each process placed by torchrun."""
     size = cfg.topology.target_group_size
     if size < 1 or world_size % size:

@@ -168,9 +168,10 @@ def test_target_groups_are_checked_before_loading(tmp_path):
 
 def test_prepare_in_target_groups_needs_whole_groups_and_torchrun_placement(tiny_qwen3_dir):
     cfg = apply_overrides(recipes.get("tiny"), [f"target.model={tiny_qwen3_dir}", "topology.target_group_size=2"])
-    assert validate.prepare_group_problems(cfg, 4) == []
-    assert "does not divide the 3 prepare processes" in validate.prepare_group_problems(cfg, 3)[0]
+    assert validate.torchrun_group_problems(cfg, 4) == []
+    assert "does not divide the 3 prepare processes" in validate.torchrun_group_problems(cfg, 3)[0]
     placed = apply_overrides(cfg, ["topology.device=cuda:0"])
-    assert "topology.device=cuda:0: under torchrun" in validate.prepare_group_problems(placed, 4)[0]
+    assert "topology.device=cuda:0: under torchrun" in validate.torchrun_group_problems(placed, 4)[0]
     too_wide = apply_overrides(cfg, ["topology.target_group_size=4"])  # 2 key/value heads
-    assert "num_key_value_heads=2" in validate.prepare_group_problems(too_wide, 4)[0]
+    assert "num_key_value_heads=2" in validate.torchrun_group_problems(too_wide, 4)[0]
+    assert "does not divide the 3 regenerate processes" in validate.torchrun_group_problems(cfg, 3, "regenerate")[0]

@@ -143,10 +143,7 @@ def _apply_transformers_styles(model: nn.Module, mesh: DeviceMesh, plan: dict[st
     from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
     names = [n for n, _ in model.named_modules()] + [n for n, _ in model.named_parameters()]
-    concrete = {}
-    for pattern, style in plan.items():
-        regex = _pattern_regex(pattern)
-        concrete.update({name: style for name in names if regex.match(name)})
+    concrete = {name: style for pattern, style in plan.items() for name in _matching(names, pattern)}
     apply_tensor_parallelism(model, mesh, concrete)
 
 
