@@ -208,8 +208,12 @@ class TopologyConfig:
     target_ranks: int = 1
     """Target ranks in disaggregated mode; the other ranks train the drafter."""
     target_group_size: int = 1
-    """Target ranks that hold one copy of the target between them, sharded by tensor parallelism
-    (disaggregated mode; must divide target_ranks): for a target larger than one device's memory."""
+    """Target ranks that hold one copy of the target between them (disaggregated mode; must divide
+    target_ranks): for a target larger than one device's memory."""
+    target_parallel: Literal["tensor", "pipeline"] = "tensor"
+    """How a target group splits the target: tensor (every layer sharded over the group; needs the
+    architecture's TP plan and divisible widths) or pipeline (each rank holds consecutive decoder
+    layers and passes the hidden state on: any architecture, e.g. gpt-oss, whose plan shards nothing)."""
     max_in_flight: int = 2
     """Batches of taps in flight per drafter rank (back-pressure)."""
     device: str | None = None

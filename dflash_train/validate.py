@@ -187,20 +187,38 @@ def target_group_problems(cfg: RunConfig) -> list[str]:
         fits = [n for n in range(size, targets + size + 1, size)][-2:]
         return [f"topology.target_ranks={targets} is not a whole number of target groups of "
                 f"topology.target_group_size={size}: use topology.target_ranks={' or '.join(map(str, fits))}"]
+    if cfg.topology.target_parallel == "pipeline":
+        return _stage_count_problems(cfg.target.model, size)
     if cfg.target.precision == "fp8":
         return ["target.precision=fp8 with topology.target_group_size>1 is not supported (float8 layers are not "
-                "sharded): use target.precision=bf16 or topology.target_group_size=1"]
+                "sharded): use target.precision=bf16, topology.target_parallel=pipeline or topology.target_group_size=1"]
     return _target_width_problems(cfg.target.model, size)
+
+
+def _local_text_config(model: str) -> dict | None:
+    config_file = Path(model).expanduser() / "config.json"
+    if not config_file.is_file():
+        return None
+    text = json.loads(config_file.read_text())
+    return text.get("text_config", text)
+
+
+def _stage_count_problems(model: str, size: int) -> list[str]:
+    """Pipeline stages hold at least one decoder layer each (from a local config.json; a GGUF or
+    hub-cache target is checked when its stage is cut, `model/pipeline_stages.py`)."""
+    layers = (_local_text_config(model) or {}).get("num_hidden_layers")
+    if layers is None or layers >= size:
+        return []
+    return [f"target {model}: {layers} decoder layers cannot fill topology.target_group_size={size} pipeline "
+            f"stages: use a group size of at most {layers}"]
 
 
 def _target_width_problems(model: str, size: int) -> list[str]:
     """Heads and intermediate sizes against the group size, read from a local config.json (no
     weights); a GGUF or hub-cache target is checked right after loading instead (shard_target)."""
-    config_file = Path(model).expanduser() / "config.json"
-    if not config_file.is_file():
+    text = _local_text_config(model)
+    if text is None:
         return []
-    text = json.loads(config_file.read_text())
-    text = text.get("text_config", text)
     from dflash_train.model.tensor_parallel import indivisible_widths  # torch.distributed only, no weights
 
     bad = [f"{k}={n}" for k, n in indivisible_widths(text, size).items()]
@@ -294,6 +312,10 @@ def torchrun_group_problems(cfg: RunConfig, world_size: int, command: str = "pre
     if world_size > 1 and cfg.topology.device is not None:
         return [f"topology.device={cfg.topology.device}: under torchrun each process takes cuda:LOCAL_RANK or the "
                 "CPU; set CUDA_VISIBLE_DEVICES instead and leave topology.device=none"]
+    if size > 1 and cfg.topology.target_parallel == "pipeline":
+        return [f"topology.target_parallel=pipeline: `{command}` shards its target by tensor parallelism only "
+                "(pipeline stages serve training's taps); use topology.target_parallel=tensor, or "
+                "topology.target_group_size=1 on devices that hold the target"]
     return _target_width_problems(cfg.target.model, size) if size > 1 else []
 
 

@@ -164,6 +164,14 @@ def test_target_groups_are_checked_before_loading(tmp_path):
     assert validate.check_topology(local, 6) == [
         f"target {tmp_path}: num_key_value_heads=3 not divisible by topology.target_group_size=2: use a group "
         "size that divides the attention heads, the key/value heads and the MLP width"]
+    # pipeline stages need no divisible widths, and fp8 layers are whole there; only enough layers
+    staged = with_(local, "topology.target_parallel", "pipeline")
+    assert validate.check_topology(staged, 6) == []
+    assert validate.check_topology(with_(staged, "target.precision", "fp8"), 6) == []
+    (tmp_path / "config.json").write_text('{"num_hidden_layers": 1}')
+    assert validate.check_topology(staged, 6) == [
+        f"target {tmp_path}: 1 decoder layers cannot fill topology.target_group_size=2 pipeline stages: use a "
+        "group size of at most 1"]
 
 
 def test_prepare_in_target_groups_needs_whole_groups_and_torchrun_placement(tiny_qwen3_dir):
@@ -175,3 +183,6 @@ def test_prepare_in_target_groups_needs_whole_groups_and_torchrun_placement(tiny
     too_wide = apply_overrides(cfg, ["topology.target_group_size=4"])  # 2 key/value heads
     assert "num_key_value_heads=2" in validate.torchrun_group_problems(too_wide, 4)[0]
     assert "does not divide the 3 regenerate processes" in validate.torchrun_group_problems(cfg, 3, "regenerate")[0]
+    staged = apply_overrides(cfg, ["topology.target_parallel=pipeline"])
+    assert "`regenerate` shards its target by tensor parallelism only" in \
+        validate.torchrun_group_problems(staged, 4, "regenerate")[0]

@@ -52,13 +52,13 @@ def run(cfg) -> str:
 
 
 def _simulator(cfg, drafter, target):
-    """The train/serve check beside each set's real tau: training's simulated tau (every eligible
-    anchor, the drafter's own block size) on the very text the set decoded. None when `eval.block_size`
+    """The train/serve check beside each set's real tau: the simulated tau (the decode walk, and per
+    anchor; the drafter's own block size) on the very text the set decoded. None when `eval.block_size`
     decodes with another block size than the drafter was trained for (the two would not compare)."""
     import torch
 
     from dflash_train.config import derived_gamma
-    from dflash_train.train.loop import simulator
+    from dflash_train.train.simulate import simulator
     from dflash_train.train.step import StepContext
 
     dcfg = drafter.config

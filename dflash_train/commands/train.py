@@ -27,7 +27,8 @@ def validate(cfg) -> None:
     from dflash_train.train.topology import topology_from_env  # imports torch (commands/__init__.py)
 
     topology = cfg.topology
-    validate_run(cfg, topology_from_env(topology.mode, topology.target_ranks, topology.target_group_size))
+    validate_run(cfg, topology_from_env(topology.mode, topology.target_ranks, topology.target_group_size,
+                                        topology.target_parallel))
 
 
 def run(cfg) -> str | Verdict:

@@ -120,8 +120,9 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
     device (taps and embeddings are moved to it). Returns the report: {"sets": {name: figures},
     "overall": figures pooled over all sets, settings...}; with `out_dir`, also writes
     report.json and the PNG plots there. `simulate(sequences)`, given a set's (prompt ids,
-    speculative output ids) pairs, returns training's simulated tau on that very text, kept as the set's
-    "sim_tau": the train/serve check (a gap means the decode loop and training disagree).
+    speculative output ids) pairs, returns the simulated acceptance on that very text ({"sim_tau": the
+    decode walk, "sim_tau_anchors": per anchor}; `train/simulate.py`), kept in the set's figures: the
+    train/serve check (a gap means the decode loop and training disagree).
     """
     check_compatible(drafter, target)
     block_size = block_size or drafter.config.block_size
@@ -147,8 +148,8 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
         for name, (spec, _) in results.items():
             # the speculative output, on which real tau was measured: in bf16 it can leave plain greedy's
             # text at a near-tie, and acceptance on another text would not compare
-            report["sets"][name]["sim_tau"] = simulate([(ids[0].tolist(), r.tokens) for ids, r in
-                                                        zip(encoded[name], spec)])
+            report["sets"][name].update(simulate([(ids[0].tolist(), r.tokens) for ids, r in
+                                                  zip(encoded[name], spec)]))
     report["target"], report["device"] = getattr(target, "name", "?"), str(device)
     report["dtype"] = str(target.dtype).removeprefix("torch.")  # bf16 may flip near-tie greedy tokens
     cfg = drafter.config

@@ -134,7 +134,8 @@ def _resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtyp
 
 def load_target(model: str, gguf_file: str | None = None, dtype: str | torch.dtype = "auto",
                 device: str | torch.device = "cpu", trust_remote_code: bool = False,
-                check_tokenizer=None, tp_mesh=None, subset: TargetSubset | None = None) -> "Target":
+                check_tokenizer=None, tp_mesh=None, subset: TargetSubset | None = None,
+                pipeline: tuple[list[int], int] | None = None) -> "Target":
     """Load a frozen (eval, no grad) target and its tokenizer; never downloads.
 
     `check_tokenizer(tokenizer)` runs before the weights load, so a tokenizer the run cannot use
@@ -145,12 +146,15 @@ def load_target(model: str, gguf_file: str | None = None, dtype: str | torch.dty
     DeviceMesh) the decoder layers are sharded over the group while still on the CPU, so only this
     rank's shard (and the replicated embedding, norms and lm_head) reaches `device`. With `subset`
     (a process that never runs the target's forward) only the embedding, lm_head and the subset's
-    tensors are read, the rest stays on the meta device (model/target_subset.py).
+    tensors are read, the rest stays on the meta device (model/target_subset.py). With `pipeline`
+    (a target group's ranks in stage order, this rank) only this rank's stage of decoder layers
+    reaches `device` (model/pipeline_stages.py).
     """
     from transformers import AutoTokenizer
 
-    if subset is not None and tp_mesh is not None:
-        raise ValueError("load_target: a weight subset runs no forward, so it has nothing to shard (tp_mesh)")
+    if sum(x is not None for x in (subset, tp_mesh, pipeline)) > 1:
+        raise ValueError("load_target: subset, tp_mesh and pipeline exclude each other (a subset runs no forward; "
+                         "a group shards or stages its target, not both)")
     t0 = time.perf_counter()
     device = torch.device(device)
     torch_dtype = _resolve_dtype(dtype, device)
@@ -172,10 +176,16 @@ def load_target(model: str, gguf_file: str | None = None, dtype: str | torch.dty
     if tp_mesh is not None:
         shard_target(hf_model, tp_mesh)
         print(f"target: sharded over ranks {tp_mesh.mesh.tolist()} (tensor parallel)", flush=True)
+    target = Target(model=hf_model, tokenizer=tokenizer, name=model)
+    if pipeline is not None:  # (the group's ranks in stage order, this rank): cut before moving
+        from dflash_train.model.pipeline_stages import as_stage
+
+        target = as_stage(target, *pipeline)
+        print(f"target: pipeline stage {pipeline[0].index(pipeline[1])} of ranks {pipeline[0]}: decoder layers "
+              f"[{target.start}, {target.end}) of {target.total_layers}", flush=True)
     if subset is None:  # a subset was read onto `device` already; its meta tensors cannot move
         hf_model.to(device)
     hf_model.eval().requires_grad_(False)
-    target = Target(model=hf_model, tokenizer=tokenizer, name=model)
     if subset is not None:
         held, total = target.held_parameters(), len(list(hf_model.named_parameters(remove_duplicate=False)))
         print(f"target: holds {len(held)} of {total} weights, runs no forward: {_describe_held(held)}", flush=True)

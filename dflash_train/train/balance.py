@@ -74,7 +74,9 @@ def share_and_report(role: str, seconds_per_seq: float, topo, log, taps_bytes_pe
     dist.all_gather_object(gathered, (role, seconds_per_seq))
     if not topo.is_main:
         return None
-    t_target = sum(s for r, s in gathered if r == "target") / max(1, sum(r == "target" for r, _ in gathered))
+    target_times = [s for r, s in gathered if r == "target"]
+    # a pipelined group goes at its slowest stage's pace; tensor-parallel members all take the group's time
+    t_target = max(target_times) if topo.pipeline else sum(target_times) / max(1, len(target_times))
     t_drafter = sum(s for r, s in gathered if r == "drafter") / max(1, sum(r == "drafter" for r, _ in gathered))
     ratio = t_target / max(t_drafter, 1e-12)  # target units (ranks, or groups of ranks) needed per drafter rank
     world, size = topo.world_size, topo.target_group_size

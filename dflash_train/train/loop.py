@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from dflash_train.config import RunConfig
-from dflash_train.data.records import Sample
 from dflash_train.data.text import check_data_format
 from dflash_train.diagnostics.threads import contention_notice
 from dflash_train.diagnostics.watchdog import Watchdog
@@ -29,7 +28,7 @@ from dflash_train.model.hf_format import export_drafter, load_zlab
 from dflash_train.model.target import load_target
 from dflash_train.train import balance, setup
 from dflash_train.train.balance import ComputeTimer
-from dflash_train.train.batching import BatchPlan, MicroBatch, to_device
+from dflash_train.train.batching import BatchPlan, MicroBatch
 from dflash_train.train.checkpoint import Checkpointer, DrafterState, RNGState, TrainProgress, provenance
 from dflash_train.train.health import BadStepGuard, CompileHealthWatch, FaultPlan, NonFiniteSteps, StopFlag
 from dflash_train.train.loss import LossMix, LossStats, summarize
@@ -38,8 +37,9 @@ from dflash_train.train.optim import TimeBudget, build_optimizer, param_dtype
 from dflash_train.train.parallel import parallelize, resolve_backend, resolve_compile, use_shared_compile_cache
 from dflash_train.train.provenance import Provenance, fingerprints
 from dflash_train.train.sources import CollateArgs, Feed, TapsSource, TargetServer, build_source
-from dflash_train.train.step import StepContext, forward_stats, reduce_stats, train_step
-from dflash_train.train.taps import target_tensors, taps_spec
+from dflash_train.train.simulate import simulated_tau, simulator
+from dflash_train.train.step import StepContext, reduce_stats, train_step
+from dflash_train.train.taps import taps_spec
 from dflash_train.train.topology import (Topology, init_distributed, init_target_groups, pick_device,
                                          topology_from_env)
 from dflash_train.validate import validate_run
@@ -97,7 +97,8 @@ class Training:
 
 
 def train(cfg: RunConfig) -> dict:
-    topo = topology_from_env(cfg.topology.mode, cfg.topology.target_ranks, cfg.topology.target_group_size)
+    topo = topology_from_env(cfg.topology.mode, cfg.topology.target_ranks, cfg.topology.target_group_size,
+                             cfg.topology.target_parallel)
     validate_run(cfg, topo)
     faults = FaultPlan.from_env()
     device = pick_device(topo)
@@ -126,7 +127,8 @@ def _prepare(p: Process) -> Setup:
         target = load_target(cfg.target.model, cfg.target.gguf_file, cfg.target.dtype, p.device,
                              cfg.target.trust_remote_code, check_tokenizer=lambda tok: check_data_format(
                                  cfg.data.format, tok, cfg.target.model, cfg.eval.num_prompts),
-                             tp_mesh=p.target_mesh, subset=setup.target_subset(cfg, topo, p.log))
+                             tp_mesh=p.target_mesh, subset=setup.target_subset(cfg, topo, p.log),
+                             pipeline=setup.pipeline_stage(topo))
         if cfg.target.precision == "fp8":
             target.quantize_fp8(log=p.log)  # before compile_layers and the regeneration pass
     dcfg = setup.build_drafter_config(cfg, target)
@@ -395,46 +397,13 @@ def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log, he
                           out_dir=out_dir / "eval", heartbeat=heartbeat, simulate=simulator(drafter, target, ctx))
     for name, figures in report["sets"].items():
         log(f"eval [{name}]: tau {figures['tau']:.3f} (simulated on the same text {figures['sim_tau']:.3f}: "
-            f"{figures['sim_tau'] / figures['tau'] - 1:+.0%}), speedup {figures['speedup']:.2f}x "
+            f"{figures['sim_tau'] / figures['tau'] - 1:+.0%}; per anchor {figures['sim_tau_anchors']:.3f}), speedup {figures['speedup']:.2f}x "
             f"(a draft+verify cycle costs {figures['cycle_plain_steps']:.2f} plain steps), "
             f"{figures['identical_outputs']}/{figures['num_prompts']} outputs identical to plain greedy")
         note = lossless_note(figures, target.dtype == torch.float32, cfg.eval.temperature)
         if note:
             log(f"eval [{name}]: {note}")
     return {"eval": report["sets"], "report": str(out_dir / "eval" / "report.json")}
-
-
-def simulator(drafter, target, ctx: StepContext):
-    """The train/serve check's measure: simulated tau (training's, every eligible anchor) on given
-    (prompt ids, output ids) pairs, the output supervised; taps computed here by the target."""
-    spec = taps_spec(drafter.config, target.dtype, final_hidden=ctx.loss.needs_teacher)
-
-    def simulate(sequences: list[tuple[list[int], list[int]]]) -> float:
-        samples = [Sample(f"eval-{i}", tuple(prompt + out), (0,) * len(prompt) + (1,) * len(out))
-                   for i, (prompt, out) in enumerate(sequences) if len(out) > 1]
-        longest = max((len(s) for s in samples), default=0)
-        mbs = setup.eval_batches(samples, longest, 1, longest, max_samples=len(samples))
-        for mb in mbs:
-            mb.from_target = target_tensors(target, list(drafter.config.target_layer_ids), mb, ctx.device, spec)
-        return simulated_tau(drafter, mbs, ctx)["sim_tau"] if mbs else float("nan")
-
-    return simulate
-
-
-def simulated_tau(drafter, eval_mbs, ctx: StepContext) -> dict:
-    """Greedy acceptance on held-out data at fixed anchors, with the uncompiled drafter and the
-    SDPA path, the eager loss and the full vocabulary (eval shapes differ from training shapes;
-    no recompiles of the training graphs)."""
-    eval_ctx = dataclasses.replace(ctx, backend="sdpa", num_drafters=1, compile_loss=False, train_vocab=None,
-                                   train_lm_head=None, persistent_masks=None)
-    total = None
-    drafter.eval()
-    with torch.no_grad():
-        for mb in eval_mbs:
-            stats = forward_stats(drafter, to_device(mb, ctx.device), eval_ctx)
-            total = stats if total is None else total + stats
-    drafter.train()
-    return summarize(total) if total is not None else {"sim_tau": float("nan"), "acc": []}
 
 
 def _train_record(step, epoch, stats: LossStats, grad_norm, scheduler, tokens_per_s: float) -> dict:

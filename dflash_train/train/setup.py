@@ -68,6 +68,14 @@ def target_subset(cfg: RunConfig, topo: Topology, log) -> TargetSubset | None:
     return TargetSubset(last_layers=cfg.drafter.num_layers if copies else 0, final_norm=copies)
 
 
+def pipeline_stage(topo: Topology) -> tuple[list[int], int] | None:
+    """(this target group's ranks in stage order, this rank) when groups split the target into
+    pipeline stages and this is a target rank, else None (`load_target(pipeline=)`)."""
+    if not (topo.pipeline and topo.is_target):
+        return None
+    return topo.target_groups[topo.target_group_index], topo.rank
+
+
 def build_drafter_config(cfg: RunConfig, target) -> DrafterConfig:
     mask_id = resolve_mask_token_id(target.tokenizer, target.vocab_size, cfg.drafter.mask_token_id)
     dcfg = drafter_config_from_target(target.config, num_layers=cfg.drafter.num_layers,

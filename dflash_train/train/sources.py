@@ -189,7 +189,9 @@ def build_source(feed: Feed, topo: Topology, target, layer_ids, device, total_st
 class TargetServer:
     """A target rank: for each step, the micro-batches routed to its group (i % groups == its
     group), computed, and sent to their drafter rank by the group's sender; the other members run
-    the same sharded forwards and send nothing. The caller's loop calls `serve_step` once per step."""
+    the same sharded forwards (tensor parallel) or their stage's layers (pipeline, passing the
+    hidden state to the next stage) and send nothing to drafters. The caller's loop calls
+    `serve_step` once per step."""
 
     def __init__(self, feed: Feed, topo: Topology, target, layer_ids, device, max_in_flight: int):
         self.feed, self.sampler, self.topo = feed, feed.sampler(), topo
@@ -222,7 +224,7 @@ class TargetServer:
             for timer in timers:
                 timer.start()
             tensors = target_tensors(self.target, self.layer_ids, mb, self.device, self.feed.spec)
-            if poison:
+            if poison and tensors is not None:
                 tensors["taps"].view(-1)[0], poison = float("nan"), False
             for timer in reversed(timers):
                 timer.stop(len(group))

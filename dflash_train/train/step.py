@@ -59,8 +59,9 @@ def loss_weight_sum(mb: MicroBatch, ctx: StepContext) -> torch.Tensor:
     return (valid[:, :, 1:].double() * w).sum()
 
 
-def forward_stats(model, batch: dict, ctx: StepContext) -> LossStats:
-    """Drafter forward + loss sums for one micro-batch already on the device."""
+def drafter_hidden(model, batch: dict, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The drafter's output hidden [b, N*B, H] for one micro-batch already on the device, with the
+    block labels and valid slots [b, N, B] it is scored against (call inside `autocast(ctx)`)."""
     input_ids, anchors, keep, taps = batch["input_ids"], batch["anchors"], batch["keep"], batch["taps"]
     seq_len, num_anchors = input_ids.shape[1], anchors.shape[1]
     labels, valid = block_labels(input_ids, batch["loss_mask"], anchors, keep, ctx.block_size)
@@ -70,16 +71,26 @@ def forward_stats(model, batch: dict, ctx: StepContext) -> LossStats:
     spec = MaskSpec(seq_len, dcfg.block_size, num_anchors, dcfg.sliding_window)
     masks = build_training_masks(spec, dcfg.layer_types, anchors, keep, ctx.backend,
                                  persistent=ctx.persistent_masks)
-    autocast = (torch.autocast(ctx.device.type, dtype=ctx.autocast_dtype) if ctx.autocast_dtype
-                else contextlib.nullcontext())
-    with autocast:
-        hidden = model(block_embeds, taps, position_ids(seq_len, anchors, ctx.block_size), masks, ctx.backend)
+    hidden = model(block_embeds, taps, position_ids(seq_len, anchors, ctx.block_size), masks, ctx.backend)
+    return hidden, labels, valid
+
+
+def autocast(ctx: StepContext):
+    """bf16 autocast on the GPU; nothing on the CPU (float32)."""
+    return (torch.autocast(ctx.device.type, dtype=ctx.autocast_dtype) if ctx.autocast_dtype
+            else contextlib.nullcontext())
+
+
+def forward_stats(model, batch: dict, ctx: StepContext) -> LossStats:
+    """Drafter forward + loss sums for one micro-batch already on the device."""
+    with autocast(ctx):
+        hidden, labels, valid = drafter_hidden(model, batch, ctx)
         lm_head = ctx.lm_head_weight
         if ctx.train_vocab is not None:
             labels, valid = ctx.train_vocab.map_labels(labels, valid)
             lm_head = ctx.train_lm_head
-        teacher = teacher_hidden_at(batch["final_hidden"], anchors, ctx.block_size) if ctx.loss.needs_teacher \
-            else None  # [b, N, B, H]
+        teacher = teacher_hidden_at(batch["final_hidden"], batch["anchors"], ctx.block_size) \
+            if ctx.loss.needs_teacher else None  # [b, N, B, H]
         return block_loss(hidden, lm_head, labels, valid, ctx.gamma, ctx.chunk_tokens, teacher_hidden=teacher,
                           compiled=ctx.compile_loss, mix=ctx.loss)
 

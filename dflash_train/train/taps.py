@@ -67,13 +67,16 @@ def taps_spec(dcfg: DrafterConfig, dtype: torch.dtype, final_hidden: bool = Fals
     return TapsSpec(tuple(fields))
 
 
-def target_tensors(target, layer_ids, mb: MicroBatch, device, spec: TapsSpec) -> dict[str, torch.Tensor]:
+def target_tensors(target, layer_ids, mb: MicroBatch, device, spec: TapsSpec) -> dict[str, torch.Tensor] | None:
     """The target's side of the bundle for one micro-batch, in `spec` order: {"taps": [b, S, K*H],
-    "final_hidden": [b, S, H] when in the spec}, contiguous (ready to send), in the target's dtype."""
+    "final_hidden": [b, S, H] when in the spec}, contiguous (ready to send), in the target's dtype; None
+    on a pipeline stage that passes its share on (only the last stage holds the bundle)."""
     with_final = FINAL_HIDDEN in spec.names
     with torch.no_grad():
         out = target.taps(host_to_device(mb.input_ids, device), host_to_device(mb.attention_mask, device), layer_ids,
                           return_last_hidden=with_final)
+    if out is None:  # a pipeline stage before the last: its share went to the next stage
+        return None
     taps, final = out if with_final else (out, None)
     produced = {"taps": taps, FINAL_HIDDEN: final}
     return {name: produced[name].contiguous() for name in spec.names}

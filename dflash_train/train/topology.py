@@ -4,8 +4,10 @@ One process per device, always; this module never starts threads or processes. R
   colocated      every rank runs the target, then its drafter step (1 rank = one GPU or the CPU)
   disaggregated  ranks [0, T) run the target and send taps; ranks [T, world) train the drafter.
                  Target ranks form groups of `target_group_size` consecutive ranks; a group holds
-                 one copy of the target, sharded over its ranks (model/tensor_parallel.py), all its
-                 members run the same micro-batches and its first rank (the sender) sends the taps.
+                 one copy of the target, split over its ranks: sharded (`target_parallel=tensor`,
+                 model/tensor_parallel.py; all members run every micro-batch, the first rank sends
+                 the taps) or in pipeline stages (`pipeline`, model/pipeline_stages.py; each member
+                 runs its consecutive layers and passes the hidden state on, the last one sends).
                  Work goes to groups as it would go to single target ranks (size 1: one rank each).
   offline        every rank trains from stored hidden-state shards; no target forward
 Drafter ranks train data-parallel among themselves (their own process group).
@@ -24,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from dflash_train.model.tensor_parallel import group_mesh
 
 MODES = ("colocated", "disaggregated", "offline")
+TARGET_PARALLEL = ("tensor", "pipeline")
 
 
 @dataclass(frozen=True)
@@ -33,7 +36,8 @@ class Topology:
     rank: int
     local_rank: int
     num_target_ranks: int  # ranks that run the target and only that (disaggregated)
-    target_group_size: int = 1  # target ranks that share one sharded copy of the target
+    target_group_size: int = 1  # target ranks that share one copy of the target
+    target_parallel: str = "tensor"  # how a group splits it: tensor (shards) or pipeline (layer stages)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -47,6 +51,8 @@ class Topology:
             if not 1 <= self.num_target_ranks < self.world_size:
                 raise ValueError(f"topology.target_ranks={self.num_target_ranks} must be in [1, {self.world_size - 1}]"
                                  f" for a world of {self.world_size} (at least one drafter rank)")
+        if self.target_parallel not in TARGET_PARALLEL:
+            raise ValueError(f"topology.target_parallel {self.target_parallel!r}: expected one of {TARGET_PARALLEL}")
         if self.target_group_size < 1 or self.num_target_ranks % self.target_group_size:
             raise ValueError(f"topology.target_group_size={self.target_group_size} must divide "
                              f"topology.target_ranks={self.num_target_ranks}")
@@ -72,8 +78,19 @@ class Topology:
 
     @property
     def sender_ranks(self) -> list[int]:
-        """The first rank of each group: the one that sends the group's taps to drafter ranks."""
-        return [group[0] for group in self.target_groups]
+        """The rank of each group that sends the group's taps to drafter ranks: the first (tensor
+        parallel: every member ends with the whole taps) or the last stage (pipeline)."""
+        return [group[-1] if self.pipeline else group[0] for group in self.target_groups]
+
+    @property
+    def pipeline(self) -> bool:
+        """Target groups of several ranks split the target into pipeline stages."""
+        return self.target_parallel == "pipeline" and self.target_group_size > 1
+
+    @property
+    def stage(self) -> int:
+        """This target rank's place in its group (its pipeline stage); -1 on drafter ranks."""
+        return self.rank % self.target_group_size if self.is_target else -1
 
     @property
     def is_sender(self) -> bool:
@@ -126,21 +143,23 @@ class Topology:
 
     def describe(self) -> str:
         if self.mode == "disaggregated" and self.target_group_size > 1:
+            how = " pipeline stages" if self.pipeline else ""
             return (f"disaggregated: {self.num_target_ranks} target ranks in {self.num_target_groups} groups of "
-                    f"{self.target_group_size} -> {self.num_drafters} drafter rank(s)")
+                    f"{self.target_group_size}{how} -> {self.num_drafters} drafter rank(s)")
         if self.mode == "disaggregated":
             return f"disaggregated: {self.num_target_ranks} target rank(s) -> {self.num_drafters} drafter rank(s)"
         return f"{self.mode}: {self.world_size} rank(s), each {'target + drafter' if self.mode == 'colocated' else 'drafter from shards'}"
 
 
-def topology_from_env(mode: str, target_ranks: int, target_group_size: int = 1) -> Topology:
+def topology_from_env(mode: str, target_ranks: int, target_group_size: int = 1,
+                      target_parallel: str = "tensor") -> Topology:
     """Read RANK / WORLD_SIZE / LOCAL_RANK (torchrun); a plain run is a world of one."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     disaggregated = mode == "disaggregated"
     return Topology(mode=mode, world_size=world, rank=int(os.environ.get("RANK", "0")),
                     local_rank=int(os.environ.get("LOCAL_RANK", "0")),
                     num_target_ranks=target_ranks if disaggregated else 0,
-                    target_group_size=target_group_size if disaggregated else 1)
+                    target_group_size=target_group_size if disaggregated else 1, target_parallel=target_parallel)
 
 
 def pick_device(topo: Topology) -> torch.device:
@@ -170,6 +189,6 @@ def init_distributed(topo: Topology, device: torch.device, timeout_s: float = 18
 def init_target_groups(topo: Topology, device: torch.device) -> DeviceMesh | None:
     """The mesh of this rank's target group, when groups hold more than one rank (else None).
     Collective: every rank of the world calls it, right after `init_distributed`."""
-    if topo.mode != "disaggregated" or topo.target_group_size == 1:
-        return None
+    if topo.mode != "disaggregated" or topo.target_group_size == 1 or topo.pipeline:
+        return None  # pipeline stages talk point to point (model/pipeline_stages.py)
     return group_mesh(topo.target_groups, device.type)

@@ -101,6 +101,23 @@ def test_two_tensor_parallel_target_groups_match_colocated(colocated, tiny_targe
         assert got[step] == pytest.approx(loss, rel=1e-4, abs=1e-6), step
 
 
+def test_two_pipelined_target_groups_match_colocated(colocated, tiny_target_dir, tmp_path):
+    """4 target ranks in 2 groups of 2 pipeline stages (each rank holds 3 of the 6 decoder layers and
+    the first passes its hidden state to the second, which sends the taps) + 2 drafter ranks: the
+    colocated losses at every step."""
+    _, expected = colocated
+    proc = run(6, tiny_target_dir, tmp_path, "topology.mode=disaggregated", "topology.target_ranks=4",
+               "topology.target_group_size=2", "topology.target_parallel=pipeline", timeout=SAFETY_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "4 target ranks in 2 groups of 2 pipeline stages -> 2 drafter rank(s)" in proc.stdout
+    assert proc.stdout.count("target: pipeline stage 0 of ranks [0, 1]: decoder layers [0, 3) of 6") == 1
+    assert proc.stdout.count("target: pipeline stage 1 of ranks [2, 3]: decoder layers [3, 6) of 6") == 1
+    got = losses(tmp_path)
+    assert sorted(got) == sorted(expected)
+    for step, loss in expected.items():
+        assert got[step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+
+
 def run_until_line(cmd: list[str], marker: str, **env_extra) -> list[str]:
     """Start `cmd`, read its output until a line containing `marker`, then SIGKILL it. Returns the
     lines read. A safety timer kills the job if the marker never comes (the test then fails)."""

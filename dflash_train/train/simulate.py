@@ -1,0 +1,112 @@
+"""Simulated acceptance: what training's forward says speculative decoding would accept.
+
+Two measures, both greedy, both from one drafter forward over a known text with the target's taps:
+- per anchor (`simulated_tau`, training's held-out figure): the mean of 1 + accepted drafts over
+  the anchors evaluated, each position weighted alike;
+- the decode walk (`accepted_walk`, the train/serve check of the eval): start where decoding
+  starts (the first output token, which the prefill produced) and jump as the decode loop does,
+  from anchor a to a + accepted + 1. The decode loop visits the positions where drafts fail more
+  often than the ones where they run long, so its tau is the token-weighted harmonic mean of the
+  per-anchor figure, below it wherever acceptance is uneven (code: boilerplate, then logic). In
+  float32 the walk reproduces the real loop's accepted counts (tests/train/test_simulate.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from dflash_train.data.records import Sample
+from dflash_train.train import setup
+from dflash_train.train.batching import to_device
+from dflash_train.train.loss import summarize
+from dflash_train.train.step import StepContext, autocast, drafter_hidden, forward_stats
+from dflash_train.train.taps import target_tensors, taps_spec
+
+ARGMAX_ROWS = 1024  # drafter rows scored against the full vocabulary at a time
+
+
+def eval_context(ctx: StepContext) -> StepContext:
+    """The uncompiled drafter's path: SDPA, the eager loss, the full vocabulary (eval shapes differ
+    from training shapes; no recompiles of the training graphs)."""
+    return dataclasses.replace(ctx, backend="sdpa", num_drafters=1, compile_loss=False, train_vocab=None,
+                               train_lm_head=None, persistent_masks=None)
+
+
+def simulated_tau(drafter, eval_mbs, ctx: StepContext) -> dict:
+    """Greedy acceptance on held-out data at fixed anchors, averaged per anchor."""
+    eval_ctx, total = eval_context(ctx), None
+    drafter.eval()
+    with torch.no_grad():
+        for mb in eval_mbs:
+            stats = forward_stats(drafter, to_device(mb, ctx.device), eval_ctx)
+            total = stats if total is None else total + stats
+    drafter.train()
+    return summarize(total) if total is not None else {"sim_tau": float("nan"), "acc": []}
+
+
+def anchor_acceptance(drafter, batch: dict, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per anchor of a batch on the device: (draft tokens accepted greedily [b, N], whether the anchor
+    has a supervised token after it [b, N]); accepted = leading slots whose full-vocabulary argmax
+    equals the label."""
+    with autocast(ctx):
+        hidden, labels, valid = drafter_hidden(drafter, batch, ctx)
+    b, n, block = labels.shape
+    rows = hidden.reshape(b * n * block, -1)  # [b*N*B, H]
+    lm_head = ctx.lm_head_weight
+    pred = torch.cat([(r.to(lm_head.dtype) @ lm_head.T).argmax(-1) for r in rows.split(ARGMAX_ROWS)])
+    correct = (pred.view(b, n, block) == labels) & valid  # [b, N, B]; slot 0 (the anchor) never valid
+    accepted = correct[:, :, 1:].int().cumprod(-1).sum(-1)  # [b, N]
+    return accepted, valid[:, :, 1]
+
+
+def accepted_walk(anchors: list[int], accepted: list[int], start: int) -> list[int]:
+    """The decode loop's accepted counts on this text: from anchor `start`, each step accepts
+    accepted[a] drafts and emits them plus the target's token, so the next anchor is a + acc + 1."""
+    at = dict(zip(anchors, accepted))
+    walk, pos = [], start
+    while pos in at:
+        walk.append(at[pos])
+        pos += at[pos] + 1
+    return walk
+
+
+def simulated_walks(drafter, target, ctx: StepContext, sequences: list[tuple[list[int], list[int]]]
+                    ) -> tuple[list[list[int]], float]:
+    """For (prompt ids, output ids) pairs: the decode walk of each (accepted counts per step), and the
+    per-anchor tau over every eligible anchor of all of them. Taps come from the target's forward
+    over the whole text, the final hidden state too when the loss reads it."""
+    spec = taps_spec(drafter.config, target.dtype, final_hidden=ctx.loss.needs_teacher)
+    eval_ctx, layer_ids = eval_context(ctx), list(drafter.config.target_layer_ids)
+    walks, anchor_sum, anchor_count = [], 0, 0
+    was_training = drafter.training
+    drafter.eval()
+    with torch.no_grad():
+        for prompt, out in sequences:
+            if len(out) < 2:
+                walks.append([])
+                continue
+            sample = Sample("sim", tuple(prompt + out), (0,) * len(prompt) + (1,) * len(out))
+            (mb,) = setup.eval_batches([sample], len(sample), 1, len(sample), max_samples=1)  # every anchor
+            mb.from_target = target_tensors(target, layer_ids, mb, ctx.device, spec)
+            accepted, has_label = anchor_acceptance(drafter, to_device(mb, ctx.device), eval_ctx)
+            kept = has_label[0] & mb.keep[0].to(has_label.device)
+            anchors, counts = mb.anchors[0][kept.cpu()].tolist(), accepted[0][kept].tolist()
+            walks.append(accepted_walk(anchors, counts, start=len(prompt)))
+            anchor_sum, anchor_count = anchor_sum + sum(counts), anchor_count + len(counts)
+    drafter.train(was_training)
+    return walks, (1 + anchor_sum / anchor_count) if anchor_count else float("nan")
+
+
+def simulator(drafter, target, ctx: StepContext):
+    """The eval's train/serve check: `simulate(pairs)` -> {"sim_tau": the decode walk's tau on that
+    text, "sim_tau_anchors": the per-anchor figure training reports}."""
+
+    def simulate(sequences: list[tuple[list[int], list[int]]]) -> dict:
+        walks, per_anchor = simulated_walks(drafter, target, ctx, sequences)
+        steps = [a for walk in walks for a in walk]
+        walk_tau = sum(a + 1 for a in steps) / len(steps) if steps else float("nan")
+        return {"sim_tau": walk_tau, "sim_tau_anchors": per_anchor}
+
+    return simulate
