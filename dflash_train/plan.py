@@ -391,5 +391,5 @@ def smallest_fitting(shape: TargetShape, run: RunShape, max_gpus: int, gpu_gib: 
 
 
 def weights_need_gpus(shape: TargetShape, gpu_gib: float = H200_GIB) -> int:
-    """GPUs a tensor-parallel target group would need for the weights alone (not built yet: issue 19)."""
+    """GPUs a target group (tensor-parallel or pipeline stages) needs for the weights alone."""
     return math.ceil(shape.total_params * BF16 / GIB / (gpu_gib - RESERVE_GIB))
