@@ -49,6 +49,9 @@ GIB = 2**30
 BF16 = 2
 DRAFTER_STATE_BYTES = 2 + 4 + 8  # bf16 weight, float32 master, two float32 Adam moments
 GRAD_BYTES = 2  # bf16 gradients, alive at the peak only when micro-batches accumulate
+GROUP_STYLES = [(size, parallel) for size in (2, 4, 8) for parallel in ("tensor", "pipeline")]
+"""Target groups `layouts` tries when one target does not fit a GPU (topology.target_group_size,
+topology.target_parallel)."""
 RESERVE_GIB = 4.0
 """Left free on each GPU: CUDA context, NCCL buffers, allocator fragmentation."""
 H200_GIB = 139.8  # 141 GB, the memory torch reports on the lent H200s (~139 GiB)
@@ -266,13 +269,19 @@ def _taps_bytes(shape: TargetShape, run: RunShape) -> float:
     return run.micro_batch * run.seq_len * run.num_taps * shape.hidden * run.taps_bytes
 
 
-def target_memory(shape: TargetShape, run: RunShape, in_flight: int = 0) -> Memory:
+def target_memory(shape: TargetShape, run: RunShape, in_flight: int = 0, group: int = 1,
+                  parallel: str = "tensor") -> Memory:
     """A target process: weights, one layer's prefill tensors, the taps (plus `in_flight` sent
-    batches not yet received)."""
+    batches not yet received). In a group of `group` ranks the decoder layers are split: sharded
+    (`tensor`: 1/group of every layer's weights and of its q, kv and MLP tensors) or staged
+    (`pipeline`: the largest stage's layers, whole); embedding and lm_head stay on every rank."""
     tokens = run.micro_batch * run.seq_len
-    per_token = 4 * shape.hidden + 2 * shape.q_width + 2 * shape.kv_width + 2 * shape.active_mlp_width
-    return Memory({"weights": shape.total_params * BF16, "prefill": tokens * per_token * BF16,
-                   "taps": _taps_bytes(shape, run) * (2 + in_flight)})
+    split = group if parallel == "tensor" else 1
+    per_token = 4 * shape.hidden + (2 * shape.q_width + 2 * shape.kv_width + 2 * shape.active_mlp_width) / split
+    layer_weights = shape.total_params - shape.embedding_params
+    held = 1 / group if parallel == "tensor" else math.ceil(shape.layers / group) / shape.layers
+    return Memory({"weights": (layer_weights * held + shape.embedding_params) * BF16,
+                   "prefill": tokens * per_token * BF16, "taps": _taps_bytes(shape, run) * (2 + in_flight)})
 
 
 def drafter_memory(shape: TargetShape, run: RunShape, with_embeddings: bool = True, in_flight: int = 1) -> Memory:
@@ -356,12 +365,23 @@ class Layout:
     drafter_gib: float
     fits: bool
     tokens_per_s: float
+    target_ranks: int = 0  # disaggregated layouts
+    group: int = 1
+    parallel: str = "tensor"
+
+    def overrides(self) -> str:
+        """The config that runs this layout."""
+        if not self.target_ranks:
+            return "topology.mode=colocated"
+        grouped = (f" topology.target_group_size={self.group} topology.target_parallel={self.parallel}"
+                   if self.group > 1 else "")
+        return f"topology.mode=disaggregated topology.target_ranks={self.target_ranks}{grouped}"
 
     def describe(self, gpu_gib: float) -> str:
         verdict = "fits" if self.fits else f"does not fit {gpu_gib - RESERVE_GIB:.0f} GiB usable"
         per = (f"{self.target_gib:.1f} GiB per GPU" if self.name.startswith("colocated") else
                f"target {self.target_gib:.1f} GiB, drafter {self.drafter_gib:.1f} GiB")
-        return f"{self.name:<22} {self.gpus} GPU  {per:<40} {verdict:<24} ~{self.tokens_per_s / 1e3:.1f}K tok/s"
+        return f"{self.name:<28} {self.gpus} GPU  {per:<40} {verdict:<24} ~{self.tokens_per_s / 1e3:.1f}K tok/s"
 
 
 def layouts(shape: TargetShape, run: RunShape, gpus: int, gpu_gib: float = H200_GIB) -> list[Layout]:
@@ -373,11 +393,14 @@ def layouts(shape: TargetShape, run: RunShape, gpus: int, gpu_gib: float = H200_
     colo = colocated_memory(shape, run).total_gib
     out.append(Layout("colocated", gpus, colo, colo, colo <= usable,
                       gpus / (1 / drafter_rate + 1 / target_rate)))
-    for t in range(1, gpus):
-        tm = target_memory(shape, run, in_flight=run.max_in_flight).total_gib
-        dm = drafter_memory(shape, run, in_flight=run.max_in_flight).total_gib
-        out.append(Layout(f"disaggregated {t}T+{gpus - t}D", gpus, tm, dm, max(tm, dm) <= usable,
-                          min(t * target_rate, (gpus - t) * drafter_rate)))
+    dm = drafter_memory(shape, run, in_flight=run.max_in_flight).total_gib
+    single = target_memory(shape, run, in_flight=run.max_in_flight).total_gib
+    for group, parallel in [(1, "tensor")] + ([] if single <= usable else GROUP_STYLES):
+        tm = target_memory(shape, run, run.max_in_flight, group, parallel).total_gib
+        how = "" if group == 1 else f" ({'TP' if parallel == 'tensor' else 'PP'} {group})"
+        for t in range(group, gpus, group):  # whole groups; ideal scaling within a group (not measured)
+            out.append(Layout(f"disaggregated {t}T+{gpus - t}D{how}", gpus, tm, dm, max(tm, dm) <= usable,
+                              min(t * target_rate, (gpus - t) * drafter_rate), t, group, parallel))
     return sorted(out, key=lambda lay: (not lay.fits, lay.gpus, -lay.tokens_per_s))
 
 

@@ -87,6 +87,17 @@ def test_layouts_smallest_first_and_big_targets_need_more(qwen3_8b):
     assert not plan.layouts(llama, run, 1)[0].fits
     assert plan.smallest_fitting(llama, run, 8)[0].name == "disaggregated 1T+1D"
     assert plan.smallest_fitting(llama, run, 8, gpu_gib=80.0) == [] and plan.weights_need_gpus(llama, 80.0) == 2
+    # on 120 GiB one target does not fit but a drafter does: target groups of 2, sharded or staged
+    best = plan.smallest_fitting(llama, run, 8, gpu_gib=120.0)
+    assert best[0].gpus == 3 and {lay.name for lay in best} == {"disaggregated 2T+1D (TP 2)", "disaggregated 2T+1D (PP 2)"}
+    whole = plan.target_memory(llama, run).parts["weights"]
+    layers = whole - llama.embedding_params * plan.BF16
+    tp = plan.target_memory(llama, run, group=2, parallel="tensor").parts["weights"]
+    pp = plan.target_memory(llama, run, group=4, parallel="pipeline").parts["weights"]
+    assert tp == pytest.approx(layers / 2 + llama.embedding_params * plan.BF16)
+    assert pp == pytest.approx(layers / 4 + llama.embedding_params * plan.BF16)  # 80 layers: 20 per stage
+    assert best[0].overrides() == ("topology.mode=disaggregated topology.target_ranks=2 topology.target_group_size=2 "
+                                   f"topology.target_parallel={best[0].parallel}")
 
 
 def test_plan_command_prints_layouts_and_a_verdict(capsys):

@@ -39,9 +39,8 @@ def run(cfg) -> str | Verdict:
     best = plan.smallest_fitting(shape, run_shape, gpus, gib)
     if not best:
         need = plan.weights_need_gpus(shape, gib)
-        return Verdict(f"no layout of up to {gpus} GPUs of {gib:.0f} GiB fits one target per GPU; the weights alone "
-                       f"need a target group of {need} GPUs: topology.mode=disaggregated topology.target_group_size="
-                       f"{need} (tensor parallel, or topology.target_parallel=pipeline; plan does not size groups yet)",
-                       status="FAILED:", exit_code=1)
+        return Verdict(f"no layout of up to {gpus} GPUs of {gib:.0f} GiB fits, target groups of up to 8 included; "
+                       f"the weights alone need a target group of {need} GPUs", status="FAILED:", exit_code=1)
     return (f"smallest: {best[0].name} on {best[0].gpus} GPU(s), ~{best[0].tokens_per_s / 1e3:.1f}K tok/s "
-            "(H200 rates of docs/PERF.md 3.1 scaled by FLOPs)")
+            f"(H200 rates of docs/PERF.md 3.1 scaled by FLOPs; target groups assumed to scale ideally): "
+            f"{best[0].overrides()}")
