@@ -396,7 +396,7 @@ def layouts(shape: TargetShape, run: RunShape, gpus: int, gpu_gib: float = H200_
     dm = drafter_memory(shape, run, in_flight=run.max_in_flight).total_gib
     single = target_memory(shape, run, in_flight=run.max_in_flight).total_gib
     for group, parallel in [(1, "tensor")] + ([] if single <= usable else GROUP_STYLES):
-        tm = target_memory(shape, run, run.max_in_flight, group, parallel).total_gib
+        tm = single if group == 1 else target_memory(shape, run, run.max_in_flight, group, parallel).total_gib
         how = "" if group == 1 else f" ({'TP' if parallel == 'tensor' else 'PP'} {group})"
         for t in range(group, gpus, group):  # whole groups; ideal scaling within a group (not measured)
             out.append(Layout(f"disaggregated {t}T+{gpus - t}D{how}", gpus, tm, dm, max(tm, dm) <= usable,

@@ -101,9 +101,9 @@ class PipelineStage(Target):
 
     def _receive(self, b: int, seq_len: int, taps_width: int) -> tuple[torch.Tensor | None, torch.Tensor]:
         """(hidden state entering this stage [b, S, H] or None on stage 0, taps so far [b, S, K*H])."""
-        taps = torch.zeros(b, seq_len, taps_width, dtype=self.dtype, device=self.device)
         if self.prev_rank is None:
-            return None, taps
+            return None, torch.zeros(b, seq_len, taps_width, dtype=self.dtype, device=self.device)
+        taps = torch.empty(b, seq_len, taps_width, dtype=self.dtype, device=self.device)
         hidden = torch.empty(b, seq_len, self.hidden_size, dtype=self.dtype, device=self.device)
         dist.recv(hidden, src=self.prev_rank)
         dist.recv(taps, src=self.prev_rank)

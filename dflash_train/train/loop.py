@@ -397,7 +397,8 @@ def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log, he
                           out_dir=out_dir / "eval", heartbeat=heartbeat, simulate=simulator(drafter, target, ctx))
     for name, figures in report["sets"].items():
         log(f"eval [{name}]: tau {figures['tau']:.3f} (simulated on the same text {figures['sim_tau']:.3f}: "
-            f"{figures['sim_tau'] / figures['tau'] - 1:+.0%}; per anchor {figures['sim_tau_anchors']:.3f}), speedup {figures['speedup']:.2f}x "
+            f"{figures['sim_tau'] / figures['tau'] - 1:+.0%}; per anchor {figures['sim_tau_anchors']:.3f}), "
+            f"speedup {figures['speedup']:.2f}x "
             f"(a draft+verify cycle costs {figures['cycle_plain_steps']:.2f} plain steps), "
             f"{figures['identical_outputs']}/{figures['num_prompts']} outputs identical to plain greedy")
         note = lossless_note(figures, target.dtype == torch.float32, cfg.eval.temperature)

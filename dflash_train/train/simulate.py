@@ -76,8 +76,9 @@ def simulated_walks(drafter, target, ctx: StepContext, sequences: list[tuple[lis
                     ) -> tuple[list[list[int]], float]:
     """For (prompt ids, output ids) pairs: the decode walk of each (accepted counts per step), and the
     per-anchor tau over every eligible anchor of all of them. Taps come from the target's forward
-    over the whole text, the final hidden state too when the loss reads it."""
-    spec = taps_spec(drafter.config, target.dtype, final_hidden=ctx.loss.needs_teacher)
+    over the whole text, stopped after the last tapped layer (acceptance compares argmaxes with the
+    text: no final hidden state is needed)."""
+    spec = taps_spec(drafter.config, target.dtype)
     eval_ctx, layer_ids = eval_context(ctx), list(drafter.config.target_layer_ids)
     walks, anchor_sum, anchor_count = [], 0, 0
     was_training = drafter.training
@@ -91,7 +92,7 @@ def simulated_walks(drafter, target, ctx: StepContext, sequences: list[tuple[lis
             (mb,) = setup.eval_batches([sample], len(sample), 1, len(sample), max_samples=1)  # every anchor
             mb.from_target = target_tensors(target, layer_ids, mb, ctx.device, spec)
             accepted, has_label = anchor_acceptance(drafter, to_device(mb, ctx.device), eval_ctx)
-            kept = has_label[0] & mb.keep[0].to(has_label.device)
+            kept = has_label[0]  # `valid` already holds `keep`
             anchors, counts = mb.anchors[0][kept.cpu()].tolist(), accepted[0][kept].tolist()
             walks.append(accepted_walk(anchors, counts, start=len(prompt)))
             anchor_sum, anchor_count = anchor_sum + sum(counts), anchor_count + len(counts)
