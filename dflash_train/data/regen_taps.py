@@ -30,6 +30,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from dflash_train import atomic
+from dflash_train.data import graph_decode
 from dflash_train.data.conversations import prompt_messages, render_chat
 from dflash_train.data.records import Sample
 from dflash_train.data.regenerate import end_of_turn_ids
@@ -157,6 +158,28 @@ def _generate_batch(target, prompts: list[list[int]], layer_ids: list[int], max_
             for r, prompt in enumerate(prompts)]
 
 
+def _batch_generator(target, encoded, layer_ids, max_new_tokens, batch_size, max_len, stop_ids, storage_dtype,
+                     final_hidden, graph: bool | None):
+    """prompts -> rows of `_generate_batch`, by the dynamic loop or the fixed-shape one."""
+    if graph is None:
+        graph = target.device.type == "cuda" and graph_decode.supports(target.model)
+    if not graph:
+        return lambda prompts: _generate_batch(target, prompts, layer_ids, max_new_tokens, stop_ids, storage_dtype,
+                                               final_hidden)
+    widest = max((len(ids) for _, ids in encoded if len(ids) < max_len - 2), default=1)
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop_ids[0]
+    decoder = graph_decode.GraphDecoder(
+        target.model, lambda hidden: _position_tensors(hidden, layer_ids, final_hidden),
+        min(batch_size, len(encoded)), widest + max_new_tokens, stop_ids, pad, use_graph=target.device.type == "cuda")
+
+    def generate(prompts):
+        responses, prompt_tensors, per_row, width = decoder.decode(prompts, max_new_tokens)
+        return [_row(prompt, responses[r], width, {n: t[r] for n, t in prompt_tensors.items()},
+                     {n: rows[r] for n, rows in per_row.items()}, storage_dtype)
+                for r, prompt in enumerate(prompts)]
+    return generate
+
+
 class _FedPositions:
     """The hidden states of the response tokens fed back, kept as whole decode steps ([b', 1, D] per
     name, with the batch row of each of the b' entries; -1 for a finished row of a hybrid target)
@@ -206,7 +229,7 @@ def _row(prompt: list[int], response: list[int], width: int, prompt_tensors: dic
 def regenerate_with_taps(target, conversations, layer_ids: list[int], max_new_tokens: int, batch_size: int,
                          max_len: int, thinking: bool | None = None, min_loss_tokens: int = 2,
                          storage_dtype: torch.dtype = torch.bfloat16, heartbeat=None,
-                         final_hidden: bool = False) -> tuple[TappedSamples, dict]:
+                         final_hidden: bool = False, graph: bool | None = None) -> tuple[TappedSamples, dict]:
     """Greedy target responses for every conversation's last user turn, with their taps (and the
     final hidden states, for a distillation loss, when `final_hidden`)."""
     encoded = []
@@ -215,26 +238,28 @@ def regenerate_with_taps(target, conversations, layer_ids: list[int], max_new_to
                            thinking=thinking)
         encoded.append((conv.id, target.tokenizer(text, add_special_tokens=False)["input_ids"]))
     return regenerate_prompts_with_taps(target, encoded, layer_ids, max_new_tokens, batch_size, max_len,
-                                        min_loss_tokens, storage_dtype, heartbeat, final_hidden)
+                                        min_loss_tokens, storage_dtype, heartbeat, final_hidden, graph)
 
 
 def regenerate_prompts_with_taps(target, encoded: list[tuple[str, list[int]]], layer_ids: list[int],
                                  max_new_tokens: int, batch_size: int, max_len: int, min_loss_tokens: int = 2,
                                  storage_dtype: torch.dtype = torch.bfloat16, heartbeat=None,
-                                 final_hidden: bool = False) -> tuple[TappedSamples, dict]:
+                                 final_hidden: bool = False, graph: bool | None = None) -> tuple[TappedSamples, dict]:
     """Greedy target continuations of token-id prompts `(id, ids)`, with their taps (and final hidden
-    states when `final_hidden`); the chat and the plain-text formats share this."""
+    states when `final_hidden`); the chat and the plain-text formats share this. `graph`: decode at a
+    fixed shape (`data/graph_decode.py`; None: where it pays, a CUDA device and a target it supports)."""
     stop_ids = end_of_turn_ids(target)
     encoded = sorted(encoded, key=lambda e: -len(e[1]))  # little padding per batch; an OOM shows at once
     samples, kept, skipped, new_tokens = [], [], {"too_long": 0, "too_few_loss_tokens": 0}, 0
+    generate = _batch_generator(target, encoded, layer_ids, max_new_tokens, batch_size, max_len, stop_ids,
+                                storage_dtype, final_hidden, graph)
     start = time.perf_counter()
     bar = tqdm(total=len(encoded), unit="prompt", desc="regenerate+tap", dynamic_ncols=True)
     for b in range(0, len(encoded), batch_size):
         batch = [e for e in encoded[b:b + batch_size] if len(e[1]) < max_len - 2]
         skipped["too_long"] += len(encoded[b:b + batch_size]) - len(batch)
         with torch.no_grad():
-            rows = _generate_batch(target, [e[1] for e in batch], layer_ids, max_new_tokens, stop_ids,
-                                   storage_dtype, final_hidden) if batch else []
+            rows = generate([e[1] for e in batch]) if batch else []
         for (cid, _), (ids, mask, tensors) in zip(batch, rows):
             new_tokens += sum(mask)
             ids, mask = ids[:max_len], mask[:max_len]

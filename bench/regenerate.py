@@ -1,0 +1,93 @@
+"""Regeneration + taps throughput: the dynamic decode loop vs the fixed-shape, CUDA-graphed one
+(`dflash_train/data/graph_decode.py`), on the same prompts, in one process.
+
+    python bench/regenerate.py --model smollm2 [--prompts 2048] [--batch 1024] [--max-new 96] [--taps 5]
+    python bench/regenerate.py --random-weights DIR ...   # DIR: an HF dir's config + tokenizer, no weights
+
+`--random-weights` builds the model from DIR's config with random weights (for a machine the
+weights cannot reach); such a model never ends its turn, so every row decodes all `--max-new` steps.
+
+Prompts: the default training mix (assistant templates + chit-chat). Prints new tokens/s per arm,
+the share of samples whose tokens are identical between the arms (bf16 greedy decoding may flip a
+near-tie), the largest tap difference on identical samples, and a verdict line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from bench._common import say  # noqa: E402
+
+
+def _arm(target, conversations, args, layer_ids, graph: bool):
+    from dflash_train.data.regen_taps import regenerate_with_taps
+
+    if target.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    tapped, report = regenerate_with_taps(target, conversations, layer_ids, args.max_new, args.batch, args.max_len,
+                                          graph=graph)
+    seconds = time.perf_counter() - start
+    name = "graph" if graph else "dynamic"
+    say(f"RESULT {name}_new_tok_s={report['new_tokens'] / seconds:.0f} {name}_seconds={seconds:.1f} "
+        f"{name}_new_tokens={report['new_tokens']} samples={report['samples']}")
+    return tapped
+
+
+def _random_target(directory: str, device: str):
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from dflash_train.model.target import Target
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(directory), dtype=dtype)
+    return Target(model=model.eval().requires_grad_(False), tokenizer=AutoTokenizer.from_pretrained(directory))
+
+
+def _compare(a, b) -> tuple[float, float]:
+    """(share of samples with identical tokens, max |tap difference| relative to the tap scale on them)."""
+    same = [(x, y) for x, y in zip(zip(a.samples, a.taps), zip(b.samples, b.taps)) if x[0] == y[0]]
+    worst = max(((tx.float() - ty.float()).abs().max() / ty.float().abs().max().clamp_min(1e-6)).item()
+                for (_, tx), (_, ty) in same) if same else float("nan")
+    return len(same) / max(len(a.samples), 1), worst
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2")
+    p.add_argument("--prompts", type=int, default=2048)
+    p.add_argument("--batch", type=int, default=1024)
+    p.add_argument("--max-new", type=int, default=96)
+    p.add_argument("--max-len", type=int, default=320)
+    p.add_argument("--taps", type=int, default=5)
+    p.add_argument("--random-weights", metavar="DIR", help="config + tokenizer dir; random weights")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = p.parse_args()
+    from dflash_train.data.corpus import default_train_conversations
+    from dflash_train.model.target import load_target
+    from dflash_train.model.taps import build_target_layer_ids
+
+    target = _random_target(args.random_weights, args.device) if args.random_weights else \
+        load_target(args.model, device=args.device)
+    conversations = default_train_conversations(seed=0, max_samples=args.prompts)
+    layer_ids = build_target_layer_ids(target.num_layers, args.taps)
+    say(f"target {args.model} on {target.device} ({target.dtype}), {len(conversations)} prompts, batch {args.batch}")
+    graph = _arm(target, conversations, args, layer_ids, graph=True)
+    dynamic = _arm(target, conversations, args, layer_ids, graph=False)
+    same, worst = _compare(graph, dynamic)
+    say(f"RESULT identical_samples={same:.3f} max_rel_tap_diff_on_identical={worst:.2e}")
+    ok = same >= 0.9
+    say(f"VERDICT regenerate: {'ok' if ok else 'FAILED'}: {same:.0%} of samples identical between the arms")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

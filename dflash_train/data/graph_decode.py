@@ -1,0 +1,144 @@
+"""Greedy decoding with taps at one fixed shape, each step replayed as a CUDA graph.
+
+`regen_taps._generate_batch` drops finished rows and grows a DynamicCache: right on a CPU, where a
+step costs what its rows cost, but on a GPU the step is host-bound. For SmolLM2-135M at batch 1024
+on an H200 it made 10.3K new tokens/s (docs/LOG.md, session 8): ~30 launches per layer from Python,
+a cache copied on every growth and every row drop, and a host sync per step. Here every shape is
+fixed for the whole regeneration: a batch of `batch_size` rows (a short last batch is padded with
+dummy rows), a `StaticCache` of `cache_len` slots written in place, and a 4D additive mask in a
+buffer whose next column opens before each step. The decode step is then one `torch.cuda.CUDAGraph`
+replay plus a few copies; finished rows keep decoding (their tokens are ignored), the host checks
+for "all done" every `SYNC_EVERY` steps, and the tokens and taps stay on the GPU until the batch ends.
+
+The graph is captured once, after the first batch's first step ran eagerly on a side stream (the
+warm-up CUDA graphs need); the cache's own write position (`cumulative_length`, a tensor the
+captured `index_copy_` reads and advances) therefore already points at the second step's slot, and
+`Cache.reset()` (in place, addresses kept) rewinds it for the next batch's prefill. Only targets
+whose layers are all full attention take this path (`supports`); the rest keep the dynamic loop.
+Equality with the dynamic loop (tokens, taps, final hidden states): tests/data/test_graph_decode.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+from transformers import StaticCache
+
+from dflash_train.model.decoding import cache_kwarg, mask_positions
+
+SYNC_EVERY = 16  # decode steps between the host's "are all rows done?" checks
+
+
+def supports(model) -> bool:
+    """Plain single-device targets whose every layer attends to the whole cache."""
+    text = getattr(model.config, "text_config", None) or model.config
+    types = getattr(text, "layer_types", None) or ()
+    full = all(t == "full_attention" for t in types) and not getattr(text, "sliding_window", None)
+    return full and not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+class GraphDecoder:
+    """Greedy decoding of batches of prompts with the tapped hidden states of every fed token.
+
+    `select(hidden_states) -> {name: [b, S, width]}` picks what is kept per position (taps, final
+    hidden state). `use_graph=False` runs the same static steps eagerly (CPU tests)."""
+
+    def __init__(self, model, select, batch_size: int, cache_len: int, stop_ids: list[int], pad_id: int,
+                 use_graph: bool):
+        self.model, self.select, self.batch, self.cache_len = model, select, batch_size, cache_len
+        self.pad_id, self.use_graph, self.graph = pad_id, use_graph, None
+        device = model.get_input_embeddings().weight.device
+        self.stops = torch.tensor(stop_ids, device=device)
+        self.cache = StaticCache(config=model.config, max_cache_len=cache_len)
+        self.cache_arg = cache_kwarg(type(model))
+        dtype = model.get_input_embeddings().weight.dtype
+        self.masked = torch.finfo(dtype).min
+        self.mask = torch.full((batch_size, 1, 1, cache_len), self.masked, dtype=dtype, device=device)
+        self.tok = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        self.out: dict[str, torch.Tensor] = {}  # the step's results, fixed addresses under the graph
+
+    def _forward(self, ids, mask, positions):
+        return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                          output_hidden_states=True, logits_to_keep=1, **{self.cache_arg: self.cache})
+
+    def _step(self) -> None:
+        out = self._forward(self.tok, self.mask, self.pos)
+        results = {name: t[:, 0] for name, t in self.select(out.hidden_states).items()}  # name -> [b, width]
+        results["next"] = out.logits[:, -1].argmax(-1)
+        for name, t in results.items():
+            if name in self.out:
+                self.out[name].copy_(t)
+            else:
+                self.out[name] = t.clone()
+
+    def _run_step(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        if not self.use_graph:
+            self._step()
+            return
+        side = torch.cuda.Stream()  # the eager warm-up step on a side stream, as graph capture asks
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self._step()
+
+    def _prefill(self, prompts: list[list[int]]) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
+        """Writes the left-padded prompts into the cache; returns ({name: [B, width, D]}, first
+        tokens [B], width)."""
+        rows = prompts + [[self.pad_id]] * (self.batch - len(prompts))  # dummy rows keep the shape
+        width = max(len(p) for p in rows)
+        pad = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=self.mask.device)
+        ids = torch.tensor([[self.pad_id] * (width - len(p)) + p for p in rows], device=self.mask.device)
+        causal = torch.ones(width, width, dtype=torch.bool, device=pad.device).tril()
+        allowed = causal[None] & pad[:, None, :].bool()  # [B, width(query), width(key)]
+        mask = torch.full((self.batch, 1, width, self.cache_len), self.masked, dtype=self.mask.dtype,
+                          device=pad.device)
+        mask[:, 0, :, :width].masked_fill_(allowed, 0.0)
+        self.cache.reset()
+        out = self._forward(ids, mask, mask_positions(pad))
+        self.mask.fill_(self.masked)
+        self.mask[:, 0, 0, :width].masked_fill_(pad.bool(), 0.0)
+        self.pos.copy_(pad.sum(-1, keepdim=True))
+        return self.select(out.hidden_states), out.logits[:, -1].argmax(-1), width
+
+    @torch.no_grad()
+    def decode(self, prompts: list[list[int]], max_new_tokens: int):
+        """Greedy responses (up to and including the first stop token), the prompt positions'
+        tensors left-padded ({name: [b, width, D]}), each row's fed response positions ({name: [n - 1, D]}
+        per row: token k's state is computed when it is fed back) and the padded width; on the CPU."""
+        prompt_tensors, first, width = self._prefill(prompts)
+        steps = max(min(max_new_tokens, self.cache_len - width + 1), 1)
+        tokens = torch.empty(self.batch, steps, dtype=torch.long, device=first.device)
+        tokens[:, 0] = first
+        fed = {name: torch.empty(self.batch, steps - 1, t.shape[-1], dtype=t.dtype, device=t.device)
+               for name, t in prompt_tensors.items()}  # name -> [B, steps - 1, D]
+        done, ran = torch.isin(first, self.stops), 0
+        while ran < steps - 1 and not (ran % SYNC_EVERY == 0 and bool(done[:len(prompts)].all())):
+            self.tok.copy_(tokens[:, ran:ran + 1])
+            self.mask[:, 0, 0, width + ran] = 0.0
+            self._run_step()
+            self.pos.add_(1)
+            for name, buf in fed.items():
+                buf[:, ran].copy_(self.out[name])
+            tokens[:, ran + 1] = self.out["next"]
+            done |= torch.isin(self.out["next"], self.stops)
+            ran += 1
+        return self._split(prompts, tokens[:len(prompts), :ran + 1].tolist(), prompt_tensors, fed, width)
+
+    def _split(self, prompts, tokens: list[list[int]], prompt_tensors, fed, width):
+        stops = set(self.stops.tolist())
+        responses = []
+        for row in tokens:
+            stop = next((i for i, t in enumerate(row) if t in stops), None)
+            responses.append(row if stop is None else row[:stop + 1])
+        rows = len(prompts)
+        prompt_cpu = {name: t[:rows].cpu() for name, t in prompt_tensors.items()}
+        fed_cpu = {name: t[:rows, :max((len(r) for r in responses), default=1) - 1].cpu() for name, t in fed.items()}
+        per_row = {name: [t[r, :len(resp) - 1] for r, resp in enumerate(responses)] for name, t in fed_cpu.items()}
+        return responses, prompt_cpu, per_row, width
