@@ -15,6 +15,8 @@ near-tie), the largest tap difference on identical samples, and a verdict line.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -32,13 +34,41 @@ def _arm(target, conversations, args, layer_ids, graph: bool):
     if target.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
+    profile = cProfile.Profile() if args.profile else None
+    if profile:
+        profile.enable()
     tapped, report = regenerate_with_taps(target, conversations, layer_ids, args.max_new, args.batch, args.max_len,
                                           graph=graph)
     seconds = time.perf_counter() - start
+    if profile:
+        profile.disable()
+        pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(args.profile)
     name = "graph" if graph else "dynamic"
     say(f"RESULT {name}_new_tok_s={report['new_tokens'] / seconds:.0f} {name}_seconds={seconds:.1f} "
         f"{name}_new_tokens={report['new_tokens']} samples={report['samples']}")
     return tapped
+
+
+def _timed_phases(enabled: bool) -> dict:
+    """Wrap the fixed-shape decoder's phases in synchronized timers (seconds summed per phase)."""
+    from dflash_train.data import graph_decode
+
+    totals: dict[str, float] = {}
+    if not enabled:
+        return totals
+    for name in ("_prefill", "_run_step", "_split", "decode"):
+        inner = getattr(graph_decode.GraphDecoder, name)
+
+        def timed(self, *a, _inner=inner, _name=name, **k):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = _inner(self, *a, **k)
+            torch.cuda.synchronize()
+            totals[_name] = totals.get(_name, 0.0) + time.perf_counter() - t0
+            totals[_name + "_calls"] = totals.get(_name + "_calls", 0) + 1
+            return out
+        setattr(graph_decode.GraphDecoder, name, timed)
+    return totals
 
 
 def _random_target(directory: str, device: str):
@@ -68,6 +98,9 @@ def main() -> int:
     p.add_argument("--max-new", type=int, default=96)
     p.add_argument("--max-len", type=int, default=320)
     p.add_argument("--taps", type=int, default=5)
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="print the N top host functions per arm")
+    p.add_argument("--phases", action="store_true", help="time the fixed-shape decoder's phases (syncs each step)")
+    p.add_argument("--repeat", type=int, default=1, help="run each arm this many times (the first warms up)")
     p.add_argument("--random-weights", metavar="DIR", help="config + tokenizer dir; random weights")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
@@ -80,8 +113,12 @@ def main() -> int:
     conversations = default_train_conversations(seed=0, max_samples=args.prompts)
     layer_ids = build_target_layer_ids(target.num_layers, args.taps)
     say(f"target {args.model} on {target.device} ({target.dtype}), {len(conversations)} prompts, batch {args.batch}")
-    graph = _arm(target, conversations, args, layer_ids, graph=True)
-    dynamic = _arm(target, conversations, args, layer_ids, graph=False)
+    phases = _timed_phases(args.phases)
+    for _ in range(args.repeat):
+        graph = _arm(target, conversations, args, layer_ids, graph=True)
+        dynamic = _arm(target, conversations, args, layer_ids, graph=False)
+    if phases:
+        say("phases of the graph arm(s): " + " ".join(f"{k}={v:.3f}" for k, v in phases.items()))
     same, worst = _compare(graph, dynamic)
     say(f"RESULT identical_samples={same:.3f} max_rel_tap_diff_on_identical={worst:.2e}")
     ok = same >= 0.9

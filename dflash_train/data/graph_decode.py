@@ -10,23 +10,59 @@ buffer whose next column opens before each step. The decode step is then one `to
 replay plus a few copies; finished rows keep decoding (their tokens are ignored), the host checks
 for "all done" every `SYNC_EVERY` steps, and the tokens and taps stay on the GPU until the batch ends.
 
-The graph is captured once, after the first batch's first step ran eagerly on a side stream (the
-warm-up CUDA graphs need); the cache's own write position (`cumulative_length`, a tensor the
-captured `index_copy_` reads and advances) therefore already points at the second step's slot, and
-`Cache.reset()` (in place, addresses kept) rewinds it for the next batch's prefill. Only targets
-whose layers are all full attention take this path (`supports`); the rest keep the dynamic loop.
+The cache's length is the batch's need (widest prompt + new tokens) rounded up to `LENGTH_BUCKET`:
+the per-step cost is the attention's read of the whole cache, and sorted batches mostly need a
+third of the first one's (SmolLM2's default prompts: 45 tokens median, 317 the widest). A graph is
+captured per length bucket (a handful per run), after that bucket's first step ran eagerly on a
+side stream (the warm-up CUDA graphs need); the cache's own write position (`cumulative_length`,
+a tensor the captured `index_copy_` reads and advances) therefore already points at the second
+step's slot, and `Cache.reset()` (in place, addresses kept) rewinds it for the next prefill.
+
+The decode step attends with `grouped_query_decode`: transformers' SDPA path repeats the K/V
+heads of the whole cache for every layer and step whenever a mask is given (`use_gqa_in_sdpa`),
+which at batch 1024 costs more than the step's matmuls. Only targets whose layers are all full
+attention take this path (`supports`); the rest keep the dynamic loop.
 Equality with the dynamic loop (tokens, taps, final hidden states): tests/data/test_graph_decode.py.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.distributed.tensor import DTensor
-from transformers import StaticCache
+from transformers import AttentionInterface, AttentionMaskInterface, StaticCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
 from dflash_train.model.decoding import cache_kwarg, mask_positions
 
 SYNC_EVERY = 16  # decode steps between the host's "are all rows done?" checks
+LENGTH_BUCKET = 64  # cache lengths are rounded up to this: one graph per bucket
+DECODE_ATTENTION = "grouped_query_decode"  # no "flash" in it: transformers reads that as a kernel name
+
+
+def grouped_query_decode(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention of one new token per row over a static cache, each K/V head read once for the
+    query heads that share it (HF's attention-function signature: query [b, H, 1, D], key/value
+    [b, KV, L, D], additive mask [b, 1, 1, L]; returns ([b, 1, H, D], None)). Longer queries
+    (a prefill) go to SDPA."""
+    b, heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    if q_len != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    grouped = query.reshape(b, kv_heads, heads // kv_heads, dim)  # query head h uses K/V head h // group
+    scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * (scaling or dim ** -0.5)  # [b, KV, group, L]
+    if attention_mask is not None:
+        scores = scores + attention_mask[:, :, :, :key.shape[-2]].float()  # [b, 1, 1, L] over the groups
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    out = torch.matmul(probs, value)  # [b, KV, group, D]
+    return out.reshape(b, 1, heads, dim), None
+
+
+AttentionInterface.register(DECODE_ATTENTION, grouped_query_decode)
+AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
 
 
 def supports(model) -> bool:
@@ -43,27 +79,45 @@ class GraphDecoder:
     `select(hidden_states) -> {name: [b, S, width]}` picks what is kept per position (taps, final
     hidden state). `use_graph=False` runs the same static steps eagerly (CPU tests)."""
 
-    def __init__(self, model, select, batch_size: int, cache_len: int, stop_ids: list[int], pad_id: int,
-                 use_graph: bool):
-        self.model, self.select, self.batch, self.cache_len = model, select, batch_size, cache_len
-        self.pad_id, self.use_graph, self.graph = pad_id, use_graph, None
+    def __init__(self, model, select, batch_size: int, stop_ids: list[int], pad_id: int, use_graph: bool):
+        self.model, self.select, self.batch = model, select, batch_size
+        self.pad_id, self.use_graph = pad_id, use_graph
         device = model.get_input_embeddings().weight.device
         self.stops = torch.tensor(stop_ids, device=device)
-        self.cache = StaticCache(config=model.config, max_cache_len=cache_len)
         self.cache_arg = cache_kwarg(type(model))
-        dtype = model.get_input_embeddings().weight.dtype
-        self.masked = torch.finfo(dtype).min
-        self.mask = torch.full((batch_size, 1, 1, cache_len), self.masked, dtype=dtype, device=device)
+        self.dtype = model.get_input_embeddings().weight.dtype
+        self.masked = torch.finfo(self.dtype).min
         self.tok = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
-        self.out: dict[str, torch.Tensor] = {}  # the step's results, fixed addresses under the graph
+        self.cache_len = 0  # set per length bucket by `_fit`, with the cache, the mask and the graph
+
+    def _fit(self, need: int) -> None:
+        """A cache (and mask buffer, and graph) of `need` slots rounded up to the bucket."""
+        length = -(-need // LENGTH_BUCKET) * LENGTH_BUCKET
+        if length == self.cache_len:
+            return
+        # the old bucket's memory goes first; `out` holds the step's results at the graph's fixed addresses
+        self.graph, self.cache, self.out = None, None, {}
+        self.cache = StaticCache(config=self.model.config, max_cache_len=length)
+        self.mask = torch.full((self.batch, 1, 1, length), self.masked, dtype=self.dtype, device=self.tok.device)
+        self.cache_len = length
+
+    @contextlib.contextmanager
+    def _decode_attention(self):
+        previous = self.model.config._attn_implementation
+        self.model.set_attn_implementation(DECODE_ATTENTION)
+        try:
+            yield
+        finally:
+            self.model.set_attn_implementation(previous)
 
     def _forward(self, ids, mask, positions):
         return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                           output_hidden_states=True, logits_to_keep=1, **{self.cache_arg: self.cache})
 
     def _step(self) -> None:
-        out = self._forward(self.tok, self.mask, self.pos)
+        with self._decode_attention():  # what runs at capture is what every replay runs
+            out = self._forward(self.tok, self.mask, self.pos)
         results = {name: t[:, 0] for name, t in self.select(out.hidden_states).items()}  # name -> [b, width]
         results["next"] = out.logits[:, -1].argmax(-1)
         for name, t in results.items():
@@ -112,6 +166,7 @@ class GraphDecoder:
         """Greedy responses (up to and including the first stop token), the prompt positions'
         tensors left-padded ({name: [b, width, D]}), each row's fed response positions ({name: [n - 1, D]}
         per row: token k's state is computed when it is fed back) and the padded width; on the CPU."""
+        self._fit(max(len(p) for p in prompts) + max_new_tokens)
         prompt_tensors, first, width = self._prefill(prompts)
         steps = max(min(max_new_tokens, self.cache_len - width + 1), 1)
         tokens = torch.empty(self.batch, steps, dtype=torch.long, device=first.device)

@@ -166,11 +166,10 @@ def _batch_generator(target, encoded, layer_ids, max_new_tokens, batch_size, max
     if not graph:
         return lambda prompts: _generate_batch(target, prompts, layer_ids, max_new_tokens, stop_ids, storage_dtype,
                                                final_hidden)
-    widest = max((len(ids) for _, ids in encoded if len(ids) < max_len - 2), default=1)
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop_ids[0]
     decoder = graph_decode.GraphDecoder(
         target.model, lambda hidden: _position_tensors(hidden, layer_ids, final_hidden),
-        min(batch_size, len(encoded)), widest + max_new_tokens, stop_ids, pad, use_graph=target.device.type == "cuda")
+        min(batch_size, len(encoded)), stop_ids, pad, use_graph=target.device.type == "cuda")
 
     def generate(prompts):
         responses, prompt_tensors, per_row, width = decoder.decode(prompts, max_new_tokens)
