@@ -26,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from bench._common import say  # noqa: E402
+from bench._common import Bench  # noqa: E402
 
 
-def _arm(target, conversations, args, layer_ids, graph: bool):
+def _arm(bench, target, conversations, args, layer_ids, graph: bool):
     from dflash_train.data.regen_taps import regenerate_with_taps
 
     if target.device.type == "cuda":
@@ -45,8 +45,9 @@ def _arm(target, conversations, args, layer_ids, graph: bool):
         profile.disable()
         pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(args.profile)
     name = "graph" if graph else "dynamic"
-    say(f"RESULT {name}_new_tok_s={report['new_tokens'] / seconds:.0f} {name}_seconds={seconds:.1f} "
-        f"{name}_new_tokens={report['new_tokens']} samples={report['samples']}")
+    bench.figure(f"{name}_new_tok_s", report["new_tokens"] / seconds)
+    bench.figure(f"{name}_seconds", seconds)
+    bench.figure(f"{name}_new_tokens", report["new_tokens"], f"{report['samples']} samples")
     return tapped
 
 
@@ -103,32 +104,40 @@ def main() -> int:
     p.add_argument("--phases", action="store_true", help="time the fixed-shape decoder's phases (syncs each step)")
     p.add_argument("--repeat", type=int, default=1, help="run each arm this many times (the first warms up)")
     p.add_argument("--random-weights", metavar="DIR", help="config + tokenizer dir; random weights")
+    p.add_argument("--small", action="store_true", help="a CPU smoke run: 6 prompts, batch 4, 8 new tokens")
+    p.add_argument("--json")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args()
+    if args.small:
+        args.prompts, args.batch, args.max_new, args.device = 6, 4, 8, "cpu"
     from dflash_train.data.corpus import default_train_conversations
     from dflash_train.model.target import load_target
     from dflash_train.model.taps import build_target_layer_ids
 
+    bench = Bench("regenerate", args)
     target = _random_target(args.random_weights, args.device) if args.random_weights else \
         load_target(args.model, device=args.device)
     conversations = default_train_conversations(seed=0, max_samples=args.prompts)
     layer_ids = build_target_layer_ids(target.num_layers, args.taps)
-    say(f"target {args.model} on {target.device} ({target.dtype}), {len(conversations)} prompts, batch {args.batch}")
+    bench.log(f"target {args.model} on {target.device} ({target.dtype}), {len(conversations)} prompts, "
+              f"batch {args.batch}")
     phases = _timed_phases(args.phases)
     for _ in range(args.repeat):
-        graph = _arm(target, conversations, args, layer_ids, graph=True)
-        dynamic = _arm(target, conversations, args, layer_ids, graph=False)
+        graph = _arm(bench, target, conversations, args, layer_ids, graph=True)
+        dynamic = _arm(bench, target, conversations, args, layer_ids, graph=False)
     if phases:
-        say("phases of the graph arm(s): " + " ".join(f"{k}={v:.3f}" for k, v in phases.items()))
+        bench.log("phases of the graph arm(s): " + " ".join(f"{k}={v:.3f}" for k, v in phases.items()))
     same, worst = _compare(graph, dynamic)
-    say(f"RESULT identical_samples={same:.3f} max_rel_tap_diff_on_identical={worst:.2e}")
+    bench.figure("identical_samples", same)
+    bench.figure("max_rel_tap_diff_on_identical", worst)
     # bf16 greedy decoding flips near-ties between two attention kernels, and a flip changes the rest
     # of the row, so identical rows are informative, not a criterion (float32 equality is tested:
     # tests/data/test_graph_decode.py); the taps of identical rows must agree
-    ok = worst < 2e-2
-    say(f"VERDICT regenerate: {'ok' if ok else 'FAILED'}: taps of identical samples within {worst:.1e} "
-        f"(relative); {same:.0%} of samples identical between the arms")
-    return 0 if ok else 1
+    if not worst < 2e-2:
+        bench.failed.append("taps of identical samples")
+    speedup = bench.figures["graph_new_tok_s"] / bench.figures["dynamic_new_tok_s"]
+    return bench.finish(f"graph decode {speedup:.2f}x the dynamic loop; taps of identical samples within "
+                        f"{worst:.1e}; {same:.0%} of samples identical", args.json)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ CASES = {
                        ["tokens_per_s", "prefill_s", "mfu", "full_decoder_s"]),
     "target_prefill_moe": ([sys.executable, "bench/target_prefill.py", "--arch", "qwen3-moe"],
                            ["tokens_per_s", "mfu", "target_active_params_b"]),
+    "regenerate": ([sys.executable, "bench/regenerate.py"], ["graph_new_tok_s", "dynamic_new_tok_s"]),
     "flex_tune": ([sys.executable, "bench/flex_tune.py", "--reps", "2"], ["variant0_ms"]),
     "pipeline": (TORCHRUN + ["bench/pipeline.py"],
                  ["tokens_per_s", "drafter_busy_fraction", "target_busy_fraction", "drafter_capacity_tok_s",
