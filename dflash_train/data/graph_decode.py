@@ -31,7 +31,8 @@ import contextlib
 
 import torch
 from torch.distributed.tensor import DTensor
-from transformers import AttentionInterface, AttentionMaskInterface, StaticCache
+from transformers import (AttentionInterface, AttentionMaskInterface, LogitsProcessorList, StaticCache,
+                          TemperatureLogitsWarper, TopPLogitsWarper)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
@@ -67,6 +68,14 @@ AttentionInterface.register(DECODE_ATTENTION, grouped_query_decode)
 AttentionMaskInterface.register(DECODE_ATTENTION, sdpa_mask)
 
 
+def draw(logits: torch.Tensor, warpers: LogitsProcessorList) -> torch.Tensor:
+    """One token per row [b] from the distribution the warpers shape out of logits [b, V] (temperature,
+    top-p), by the exponential race: argmax of p / E with E ~ Exp(1) is a draw from p, and it is one
+    RNG op that a CUDA graph replays (with fresh random numbers at each replay)."""
+    probs = torch.softmax(warpers(None, logits.float()), dim=-1)
+    return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+
+
 def supports(model) -> bool:
     """Plain single-device targets whose every layer attends to the whole cache."""
     text = getattr(model.config, "text_config", None) or model.config
@@ -76,14 +85,18 @@ def supports(model) -> bool:
 
 
 class GraphDecoder:
-    """Greedy decoding of batches of prompts with the tapped hidden states of every fed token.
+    """Decoding of batches of prompts with the tapped hidden states of every fed token: greedy, or
+    sampled with `sampling=(temperature, top_p)` (the target writing prompts: data/synthesize.py).
 
     `select(hidden_states) -> {name: [b, S, width]}` picks what is kept per position (taps, final
     hidden state). `use_graph=False` runs the same static steps eagerly (CPU tests)."""
 
-    def __init__(self, model, select, batch_size: int, stop_ids: list[int], pad_id: int, use_graph: bool):
+    def __init__(self, model, select, batch_size: int, stop_ids: list[int], pad_id: int, use_graph: bool,
+                 sampling: tuple[float, float] | None = None):
         self.model, self.select, self.batch = model, select, batch_size
         self.pad_id, self.use_graph = pad_id, use_graph
+        self.warpers = None if sampling is None else \
+            LogitsProcessorList([TemperatureLogitsWarper(sampling[0]), TopPLogitsWarper(sampling[1])])
         device = model.get_input_embeddings().weight.device
         self.stops = torch.tensor(stop_ids, device=device)
         self.cache_arg = cache_kwarg(type(model))
@@ -104,6 +117,10 @@ class GraphDecoder:
         self.mask = torch.full((self.batch, 1, 1, length), self.masked, dtype=self.dtype, device=self.tok.device)
         self.cache_len = length
 
+    def pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """The next token of each row from its logits [b, V]: the argmax, or a sampled draw."""
+        return logits.argmax(-1) if self.warpers is None else draw(logits, self.warpers)
+
     @contextlib.contextmanager
     def _decode_attention(self):
         previous = self.model.config._attn_implementation
@@ -121,7 +138,7 @@ class GraphDecoder:
         with self._decode_attention():  # what runs at capture is what every replay runs
             out = self._forward(self.tok, self.mask, self.pos)
         results = {name: t[:, 0] for name, t in self.select(out.hidden_states).items()}  # name -> [b, width]
-        results["next"] = out.logits[:, -1].argmax(-1)
+        results["next"] = self.pick(out.logits[:, -1])
         for name, t in results.items():
             if name in self.out:
                 self.out[name].copy_(t)
@@ -175,11 +192,11 @@ class GraphDecoder:
         self.mask.fill_(self.masked)
         self.mask[:, 0, 0, :width].masked_fill_(pad.bool(), 0.0)
         self.pos.copy_(pad.sum(-1, keepdim=True))
-        return self.select(out.hidden_states), out.logits[:, -1].argmax(-1), width
+        return self.select(out.hidden_states), self.pick(out.logits[:, -1]), width
 
     @torch.no_grad()
     def decode(self, prompts: list[list[int]], max_new_tokens: int):
-        """Greedy responses (up to and including the first stop token), the prompt positions'
+        """Responses (up to and including the first stop token), the prompt positions'
         tensors left-padded ({name: [b, width, D]}), each row's fed response positions ({name: [n - 1, D]}
         per row: token k's state is computed when it is fed back) and the padded width; on the CPU."""
         self._fit(max(len(p) for p in prompts) + max_new_tokens)

@@ -40,6 +40,7 @@ from tqdm import tqdm
 
 from dflash_train import atomic
 from dflash_train.config import DataConfig
+from dflash_train.data import graph_decode
 from dflash_train.data.regenerate import end_of_turn_ids
 
 PLACEHOLDER = "\u27e6DFLASH-USER-PROMPT-7f3a\u27e7"  # never produced by a template or a user
@@ -218,21 +219,39 @@ def batch_seed(stream: str, seed: int, batch: int) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
+def fixed_shape_sampler(target, settings: SynthSettings, stop_ids: list[int]):
+    """On a GPU, for a target the fixed-shape decoder supports: a `GraphDecoder` that samples
+    (data/graph_decode.py; HF `generate` is host-bound there); else None (HF `generate`)."""
+    if target.device.type != "cuda" or not graph_decode.supports(target.model):
+        return None
+    return graph_decode.GraphDecoder(target.model, lambda hidden: {}, settings.batch_size, stop_ids,
+                                     _pad_id(target, stop_ids), use_graph=True,
+                                     sampling=(settings.temperature, settings.top_p))
+
+
+def _pad_id(target, stop_ids: list[int]) -> int:
+    return target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop_ids[0]
+
+
 @torch.no_grad()
 def sample_batch(target, prefix_ids: list[int], settings: SynthSettings, stop_ids: list[int],
-                 seed: int) -> list[dict]:
-    """One batch of continuations of the prefix: `{"text", "ended", "new_tokens"}` per row."""
+                 seed: int, sampler=None) -> list[dict]:
+    """One batch of continuations of the prefix: `{"text", "ended", "new_tokens"}` per row; drawn by
+    `sampler` (`fixed_shape_sampler`) when given, else by HF `generate`."""
     ids = torch.tensor([prefix_ids] * settings.batch_size, device=target.device)  # (b, P), no padding
-    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop_ids[0]
     devices = [target.device] if target.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # seeded, without disturbing the caller's RNG
         torch.manual_seed(seed)
-        out = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                    temperature=settings.temperature, top_p=settings.top_p, top_k=0,
-                                    max_new_tokens=settings.max_new_tokens, eos_token_id=stop_ids,
-                                    pad_token_id=pad_id)
+        if sampler is not None:
+            new_rows = sampler.decode([list(prefix_ids)] * settings.batch_size, settings.max_new_tokens)[0]
+        else:
+            out = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
+                                        temperature=settings.temperature, top_p=settings.top_p, top_k=0,
+                                        max_new_tokens=settings.max_new_tokens, eos_token_id=stop_ids,
+                                        pad_token_id=_pad_id(target, stop_ids))
+            new_rows = out[:, ids.shape[1]:].tolist()  # (b, new)
     rows = []
-    for row in out[:, ids.shape[1]:].tolist():  # (b, new)
+    for row in new_rows:
         stop = next((i for i, t in enumerate(row) if t in stop_ids), None)
         tokens = row if stop is None else row[:stop]
         rows.append({"text": target.tokenizer.decode(tokens, skip_special_tokens=True),
@@ -284,12 +303,13 @@ def synthesize_prompts(target, n: int, seed: int, cache_path: str | Path | None 
     for outs in batches:
         selector.feed(outs)
     stop_ids = end_of_turn_ids(target)
+    sampler = fixed_shape_sampler(target, settings, stop_ids)
     max_batches = -(-MAX_OUTPUTS_PER_PROMPT * n // settings.batch_size) + 1
     t0 = time.perf_counter()
     bar = tqdm(total=n, initial=len(selector.kept), unit="prompt", desc="synthesize", dynamic_ncols=True)
     while not selector.done and len(batches) < max_batches:
         b = len(batches)
-        batches.append(sample_batch(target, prefix_ids, settings, stop_ids, batch_seed(stream, seed, b)))
+        batches.append(sample_batch(target, prefix_ids, settings, stop_ids, batch_seed(stream, seed, b), sampler))
         report.new_tokens += sum(o["new_tokens"] for o in batches[-1])
         if path is not None:
             _write_cache(path, header, batches)

@@ -85,3 +85,35 @@ def test_a_failed_graph_capture_falls_back_to_eager_steps_loudly(smollm2_target,
     monkeypatch.undo()
     dynamic, _ = _run(smollm2_target, False)
     assert fallback.samples == dynamic.samples
+
+
+def _sampler(model, temperature: float, top_p: float) -> graph_decode.GraphDecoder:
+    return graph_decode.GraphDecoder(model, lambda hidden: {}, 4, [0], 0, use_graph=False,
+                                     sampling=(temperature, top_p))
+
+
+def test_sampled_tokens_follow_the_warped_distribution():
+    """The exponential race draws from softmax(logits / T) restricted to transformers' top-p nucleus."""
+    torch.manual_seed(0)
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0]).repeat(40000, 1)  # [rows, V]: one distribution, many draws
+    for temperature, top_p in ((1.0, 1.0), (0.7, 1.0), (1.0, 0.8)):
+        warpers = graph_decode.LogitsProcessorList([graph_decode.TemperatureLogitsWarper(temperature),
+                                                    graph_decode.TopPLogitsWarper(top_p)])
+        expected = torch.softmax(logits[0] / temperature, dim=-1).double()
+        if top_p < 1:  # the nucleus: the most likely tokens whose mass reaches top_p (here the first three)
+            expected = torch.cat([expected[:3] / expected[:3].sum(), torch.zeros(2, dtype=torch.float64)])
+        counts = torch.bincount(graph_decode.draw(logits, warpers), minlength=5).double() / len(logits)
+        torch.testing.assert_close(counts, expected, atol=0.01, rtol=0)
+
+
+def test_sampling_is_seeded_and_a_tiny_nucleus_is_greedy(smollm2_target):
+    model = smollm2_target.model
+    prompt = smollm2_target.tokenizer("<|im_start|>user\n", add_special_tokens=False)["input_ids"]
+
+    def draw(seed: int, temperature: float, top_p: float):
+        torch.manual_seed(seed)
+        return _sampler(model, temperature, top_p).decode([prompt] * 4, 12)[0]
+    first, again, other = draw(1, 1.0, 0.95), draw(1, 1.0, 0.95), draw(2, 1.0, 0.95)
+    assert first == again and first != other and len({tuple(r) for r in first}) > 1
+    greedy = graph_decode.GraphDecoder(model, lambda hidden: {}, 4, [0], 0, use_graph=False).decode([prompt] * 4, 12)[0]
+    assert draw(3, 1.0, 1e-9) == greedy

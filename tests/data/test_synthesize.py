@@ -268,3 +268,21 @@ def test_smollm2_writes_requests_that_end_their_turn(smollm2_target):
     selector = Selector(8, settings)
     selector.feed(outputs)
     assert len(selector.kept) + sum(selector.dropped.values()) == 8 and len(selector.kept) >= 4
+
+
+@pytest.mark.slow
+def test_the_fixed_shape_sampler_writes_seeded_prompts(smollm2_target):
+    """The GPU's sampler (data/graph_decode.py, run here eagerly): seeded batches of rows shaped as
+    HF generate's, some ending their turn."""
+    from dflash_train.data.graph_decode import GraphDecoder
+
+    settings = _settings(batch_size=4, max_new_tokens=24)
+    stop_ids = end_of_turn_ids(smollm2_target)
+    prefix_ids = smollm2_target.tokenizer(pre_query_prefix(smollm2_target.tokenizer),
+                                          add_special_tokens=False)["input_ids"]
+    sampler = GraphDecoder(smollm2_target.model, lambda hidden: {}, settings.batch_size, stop_ids, stop_ids[0],
+                           use_graph=False, sampling=(settings.temperature, settings.top_p))
+    first, again = (sample_batch(smollm2_target, prefix_ids, settings, stop_ids, 7, sampler) for _ in range(2))
+    assert first == again and len(first) == 4
+    assert all(set(o) == {"text", "ended", "new_tokens"} and o["new_tokens"] <= 24 for o in first)
+    assert any(o["ended"] for o in first) and len({o["text"] for o in first}) > 1
