@@ -157,7 +157,8 @@ class GraphDecoder:
             self.graph = self._capture()
         except RuntimeError as e:  # e.g. a target whose forward syncs with the host (data-dependent routing)
             self.use_graph = False
-            print(f"regenerate: CUDA graph capture of the decode step failed ({str(e).splitlines()[0]}); "
+            cause = e.__context__ or e  # the op that broke the capture, not "failed due to a previous error"
+            print(f"regenerate: CUDA graph capture of the decode step failed ({str(cause).splitlines()[0]}); "
                   "decoding eagerly at the fixed shape", flush=True)
 
     def _warm_up(self) -> None:
@@ -170,9 +171,14 @@ class GraphDecoder:
 
     def _capture(self) -> torch.cuda.CUDAGraph:
         """Records the step (nothing runs: the warm-up computed this step; each replay is the next)."""
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._step()
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
+        try:
+            with torch.cuda.graph(graph):
+                self._step()
+        except RuntimeError:
+            torch.cuda.set_stream(stream)  # a failed capture_end leaves the capture stream current
+            torch.cuda.synchronize()
+            raise
         return graph
 
     def _prefill(self, prompts: list[list[int]]) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:

@@ -2,6 +2,7 @@
 tokens, taps and final hidden states, for a batch padded with dummy rows, rows stopping at
 different steps and a later batch of another width reusing the cache."""
 
+import pytest
 import torch
 
 from dflash_train.data import graph_decode
@@ -13,9 +14,9 @@ REQUESTS = ["Explain how a bicycle stays upright.", "hi", "Give me one tip for s
             "What is 2+2?", "Write a haiku about rain on a tin roof, then explain its imagery."]
 
 
-def _run(target, graph: bool):
-    convs = [Conversation(f"c{i}", [{"role": "user", "content": text}]) for i, text in enumerate(REQUESTS)]
-    return regenerate_with_taps(target, convs, IDS, max_new_tokens=20, batch_size=3, max_len=256,
+def _run(target, graph: bool, requests=REQUESTS, batch_size: int = 3):
+    convs = [Conversation(f"c{i}", [{"role": "user", "content": text}]) for i, text in enumerate(requests)]
+    return regenerate_with_taps(target, convs, IDS, max_new_tokens=20, batch_size=batch_size, max_len=256,
                                 storage_dtype=torch.float32, final_hidden=True, graph=graph)
 
 
@@ -30,15 +31,12 @@ def test_fixed_shape_decode_equals_the_dynamic_loop(smollm2_target):
         assert a[-1].abs().sum() == 0  # the last response token is never fed back
 
 
-def test_supports_only_full_attention_single_device_targets(smollm2_target):
+def test_supports_only_full_attention_single_device_targets(smollm2_target, monkeypatch):
     assert graph_decode.supports(smollm2_target.model)
     config = smollm2_target.model.config
-    saved = getattr(config, "layer_types", None)
-    try:
-        config.layer_types = ["sliding_attention"] + ["full_attention"] * (config.num_hidden_layers - 1)
-        assert not graph_decode.supports(smollm2_target.model)
-    finally:
-        config.layer_types = saved
+    monkeypatch.setattr(config, "layer_types",
+                        ["sliding_attention"] + ["full_attention"] * (config.num_hidden_layers - 1), raising=False)
+    assert not graph_decode.supports(smollm2_target.model)
 
 
 def _naive_attention(query, key, value, allowed, scaling):
@@ -117,3 +115,35 @@ def test_sampling_is_seeded_and_a_tiny_nucleus_is_greedy(smollm2_target):
     assert first == again and first != other and len({tuple(r) for r in first}) > 1
     greedy = graph_decode.GraphDecoder(model, lambda hidden: {}, 4, [0], 0, use_graph=False).decode([prompt] * 4, 12)[0]
     assert draw(3, 1.0, 1e-9) == greedy
+
+
+@pytest.fixture(scope="module")
+def smollm2_cuda_fp32():
+    from dflash_train.model.target import load_target
+
+    return load_target("smollm2", device="cuda", dtype=torch.float32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA-graph path needs a GPU")
+def test_cuda_graph_decode_equals_the_dynamic_loop_in_float32(smollm2_cuda_fp32):
+    """Captured and replayed across a bucket change and two batches of one bucket: SmolLM2's prompt
+    widths here are 128, 46 | 38, 37 | 37, 31 in batches of 2, so with 20 new tokens the cache
+    buckets are 192, then 64 (captured), then 64 again (replayed from the first step)."""
+    requests = REQUESTS + ["Summarise the plot of a heist film in three sentences, with a twist at the end "
+                           "that nobody sees coming, and name the genre it belongs to. " * 3]
+    (fixed, _), (dynamic, _) = (_run(smollm2_cuda_fp32, graph, requests, batch_size=2) for graph in (True, False))
+    assert fixed.samples == dynamic.samples
+    for a, b in zip(fixed.taps + fixed.final_hidden, dynamic.taps + dynamic.final_hidden):
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA-graph path needs a GPU")
+def test_cuda_graph_sampling_is_seeded_across_warm_up_and_replays(smollm2_cuda_fp32):
+    model, tok = smollm2_cuda_fp32.model, smollm2_cuda_fp32.tokenizer
+    prompt = tok("<|im_start|>user\n", add_special_tokens=False)["input_ids"]
+    sampler = graph_decode.GraphDecoder(model, lambda hidden: {}, 8, [0], 0, use_graph=True, sampling=(1.0, 0.95))
+    draws = []
+    for _ in range(2):  # the first batch warms up and captures, the second only replays
+        torch.manual_seed(5)
+        draws.append(sampler.decode([prompt] * 8, 16)[0])
+    assert draws[0] == draws[1] and len({tuple(r) for r in draws[0]}) > 1
