@@ -33,7 +33,7 @@ from dflash_train import atomic
 from dflash_train.data import graph_decode
 from dflash_train.data.conversations import prompt_messages, render_chat
 from dflash_train.data.records import Sample
-from dflash_train.data.regenerate import end_of_turn_ids
+from dflash_train.data.regenerate import end_of_turn_ids, pad_id
 from dflash_train.model.decoding import cache_kwarg, left_pad, mask_positions, new_cache
 from dflash_train.model.taps import select_taps
 
@@ -113,7 +113,7 @@ def _generate_batch(target, prompts: list[list[int]], layer_ids: list[int], max_
     model's own (config-aware) one.
     """
     model = target.model
-    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop_ids[0]
+    pad = pad_id(target, stop_ids)
     ids, mask = (t.to(target.device) for t in left_pad(prompts, pad))
     cache_arg, recurrent = cache_kwarg(type(model)), has_recurrent_layers(model.config)
     out = model(input_ids=ids, attention_mask=mask, position_ids=mask_positions(mask),
@@ -166,7 +166,7 @@ def _batch_generator(target, encoded, layer_ids, max_new_tokens, batch_size, max
     if not graph:
         return lambda prompts: _generate_batch(target, prompts, layer_ids, max_new_tokens, stop_ids, storage_dtype,
                                                final_hidden)
-    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop_ids[0]
+    pad = pad_id(target, stop_ids)
     decoder = graph_decode.GraphDecoder(
         target.model, lambda hidden: _position_tensors(hidden, layer_ids, final_hidden),
         min(batch_size, len(encoded)), stop_ids, pad, use_graph=target.device.type == "cuda")

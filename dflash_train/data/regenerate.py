@@ -73,14 +73,19 @@ def end_of_turn_ids(target) -> list[int]:
     return sorted(int(i) for i in ids)
 
 
+def pad_id(target, stop_ids: list[int]) -> int:
+    """The id left padding uses: the tokenizer's pad token, else the first stop token (masked anyway)."""
+    return target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop_ids[0]
+
+
 @torch.no_grad()
 def generate_batch(target, prompts: list[list[int]], max_new_tokens: int, temperature: float,
               stop_ids: list[int], seed: int) -> list[tuple[list[int], bool]]:
     """Batched generation; returns per row (new tokens before the stop token, stopped?)."""
-    pad_id = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop_ids[0]
-    ids, mask = (t.to(target.device) for t in left_pad(prompts, pad_id))
+    pad = pad_id(target, stop_ids)
+    ids, mask = (t.to(target.device) for t in left_pad(prompts, pad))
     sample = temperature > 0
-    kwargs = dict(do_sample=sample, max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad_id)
+    kwargs = dict(do_sample=sample, max_new_tokens=max_new_tokens, eos_token_id=stop_ids, pad_token_id=pad)
     if sample:
         kwargs.update(temperature=temperature, top_k=None, top_p=None)
     devices = [target.device] if target.device.type == "cuda" else []

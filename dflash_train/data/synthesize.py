@@ -41,7 +41,7 @@ from tqdm import tqdm
 from dflash_train import atomic
 from dflash_train.config import DataConfig
 from dflash_train.data import graph_decode
-from dflash_train.data.regenerate import end_of_turn_ids
+from dflash_train.data.regenerate import end_of_turn_ids, pad_id
 
 PLACEHOLDER = "\u27e6DFLASH-USER-PROMPT-7f3a\u27e7"  # never produced by a template or a user
 CACHE_VERSION = 1
@@ -225,12 +225,8 @@ def fixed_shape_sampler(target, settings: SynthSettings, stop_ids: list[int]):
     if target.device.type != "cuda" or not graph_decode.supports(target.model):
         return None
     return graph_decode.GraphDecoder(target.model, lambda hidden: {}, settings.batch_size, stop_ids,
-                                     _pad_id(target, stop_ids), use_graph=True,
+                                     pad_id(target, stop_ids), use_graph=True,
                                      sampling=(settings.temperature, settings.top_p))
-
-
-def _pad_id(target, stop_ids: list[int]) -> int:
-    return target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else stop_ids[0]
 
 
 @torch.no_grad()
@@ -238,17 +234,17 @@ def sample_batch(target, prefix_ids: list[int], settings: SynthSettings, stop_id
                  seed: int, sampler=None) -> list[dict]:
     """One batch of continuations of the prefix: `{"text", "ended", "new_tokens"}` per row; drawn by
     `sampler` (`fixed_shape_sampler`) when given, else by HF `generate`."""
-    ids = torch.tensor([prefix_ids] * settings.batch_size, device=target.device)  # (b, P), no padding
     devices = [target.device] if target.device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):  # seeded, without disturbing the caller's RNG
         torch.manual_seed(seed)
         if sampler is not None:
             new_rows = sampler.decode([list(prefix_ids)] * settings.batch_size, settings.max_new_tokens)[0]
         else:
+            ids = torch.tensor([prefix_ids] * settings.batch_size, device=target.device)  # (b, P), no padding
             out = target.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
                                         temperature=settings.temperature, top_p=settings.top_p, top_k=0,
                                         max_new_tokens=settings.max_new_tokens, eos_token_id=stop_ids,
-                                        pad_token_id=_pad_id(target, stop_ids))
+                                        pad_token_id=pad_id(target, stop_ids))
             new_rows = out[:, ids.shape[1]:].tolist()  # (b, new)
     rows = []
     for row in new_rows:
