@@ -237,6 +237,9 @@ class EvalConfig:
     """Where the `eval` command writes report.json and its plots."""
     progress: bool = True
     """Progress bar during the `eval` command."""
+    draft_vocab: Literal["auto", "full"] = "auto"
+    """auto: draft over the drafter directory's draft_vocab.json where it has one (the tokens of its
+    training softmax; lossless, a cheaper drafter lm_head); full: always over the whole lm_head."""
 
 
 @dataclass(frozen=True, kw_only=True)

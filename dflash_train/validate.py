@@ -133,9 +133,18 @@ def _required(cfg: RunConfig, key: str, what: str) -> list[str]:
 
 
 def _drafter_dir_problems(key: str, value: str | None) -> list[str]:
-    if value is not None and not (Path(value).expanduser() / "config.json").is_file():
+    if value is None:
+        return []
+    config = Path(value).expanduser() / "config.json"
+    if not config.is_file():
         return [f"{key}={value}: no config.json there: not a z-lab drafter directory (a training run's "
                 "`drafter/`, or a published DFlash drafter)"]
+    from dflash_train.model.hf_format import load_draft_vocab  # local: torch is heavy for validation
+
+    try:  # a malformed draft vocabulary fails here, not after the target has loaded
+        load_draft_vocab(config.parent, int(json.loads(config.read_text()).get("vocab_size") or 2**62))
+    except (ValueError, json.JSONDecodeError) as e:
+        return [f"{key}={value}: {e}"]
     return []
 
 

@@ -26,6 +26,9 @@ def test_tiny_recipe_runs_end_to_end_on_smollm2(tmp_path):
     assert config["dflash_config"]["target_layer_ids"] == [1, 8, 14, 20, 27]  # z-lab ids for 30 layers
     report = json.loads((out / "eval" / "report.json").read_text())
     assert set(report["sets"]) == {"assistant", "chitchat"}
+    # the training softmax's tokens (loss.train_vocab) travel with the export; the eval drafts over them
+    vocab = json.loads((out / "drafter" / "draft_vocab.json").read_text())["ids"]
+    assert len(vocab) == report["draft_vocab"] >= 4096 and vocab == sorted(vocab)
     for figures in report["sets"].values():  # greedy on a float32 target: speculation must be lossless
         assert figures["num_prompts"] == 2 and figures["identical_outputs"] == 2, figures
         assert 1.0 <= figures["sim_tau"] <= config["block_size"], figures  # the train/serve check ran

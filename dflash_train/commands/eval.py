@@ -22,13 +22,13 @@ ALIASES = (
     Alias("--thinking", "data.thinking"), Alias("--block-size", "eval.block_size"),
     Alias("--device", "topology.device"), Alias("--dtype", "target.dtype"), Alias("--seed", "train.seed"),
     Alias("--out", "eval.out_dir"), Alias("--trust-remote-code", "target.trust_remote_code", const="true"),
-    Alias("--no-progress", "eval.progress", const="false"),
+    Alias("--no-progress", "eval.progress", const="false"), Alias("--draft-vocab", "eval.draft_vocab"),
 )
 
 
 def run(cfg) -> str:
     from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
-    from dflash_train.eval.evaluate import check_compatible, evaluate
+    from dflash_train.eval.evaluate import check_compatible, eval_draft_vocab, evaluate
     from dflash_train.model.hf_format import load_zlab
 
     e = cfg.eval
@@ -44,7 +44,8 @@ def run(cfg) -> str:
           + f"; max {e.max_new_tokens} new tokens, temperature {e.temperature}", flush=True)
     report = evaluate(drafter, target, sets, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                       thinking=cfg.data.thinking, block_size=e.block_size, seed=cfg.train.seed, out_dir=e.out_dir,
-                      progress=e.progress, simulate=_simulator(cfg, drafter, target))
+                      progress=e.progress, simulate=_simulator(cfg, drafter, target),
+                      draft_vocab=eval_draft_vocab(e, e.drafter, drafter))
     _print_report(report, e.temperature)
     overall = report["overall"]
     return (f"tau={overall['tau']:.3f} speedup={overall['speedup']:.2f}x ({overall['num_prompts']} prompts, "

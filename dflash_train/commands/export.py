@@ -23,14 +23,16 @@ ALIASES = (
 def run(cfg) -> str:
     import torch  # see commands/__init__.py
 
-    from dflash_train.model.hf_format import export_drafter, load_zlab, save_speculators
+    from dflash_train.model.hf_format import export_drafter, load_draft_vocab, load_zlab, save_speculators
 
     x = cfg.export
     drafter = load_zlab(x.drafter)
     dtype = getattr(torch, x.dtype)
     if x.format == "zlab":
-        # records target.model as the training target and checks the serving contract against it
-        out = export_drafter(drafter, x.out, cfg.target.model, cfg.target.gguf_file, dtype=dtype)
+        # records target.model as the training target and checks the serving contract against it;
+        # a draft vocabulary travels with the weights
+        out = export_drafter(drafter, x.out, cfg.target.model, cfg.target.gguf_file, dtype=dtype,
+                             draft_vocab=load_draft_vocab(x.drafter, drafter.config.vocab_size))
     else:
         target = load_configured_target(cfg, fallback_device="cpu")
         drafter.config.check_target(target.hidden_size, target.num_layers, target.vocab_size)

@@ -27,8 +27,9 @@ from tqdm.auto import tqdm
 
 from dflash_train.data.conversations import prompt_messages, render_chat
 from dflash_train.eval import report as rep
-from dflash_train.eval.spec_decode import GenResult, SpecResult, speculative_generate, target_generate
+from dflash_train.eval.spec_decode import DraftHead, GenResult, SpecResult, speculative_generate, target_generate
 from dflash_train.model.drafter import DFlashDrafter
+from dflash_train.model.hf_format import DRAFT_VOCAB, load_draft_vocab
 
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
@@ -74,10 +75,21 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
+def eval_draft_vocab(eval_cfg, drafter_dir, drafter: DFlashDrafter, log=print) -> torch.Tensor | None:
+    """The draft vocabulary the eval drafts over (`eval.draft_vocab`), said in one line, or None."""
+    if eval_cfg.draft_vocab == "full":
+        return None
+    ids = load_draft_vocab(drafter_dir, drafter.config.vocab_size)
+    if ids is not None:
+        log(f"eval: drafting over the drafter's {ids.numel()}-token draft vocabulary ({DRAFT_VOCAB}; lossless; "
+            "eval.draft_vocab=full drafts over the whole lm_head)")
+    return ids
+
+
 def _decode_both(drafter, target, ids: torch.Tensor, opts: dict, seed: int) -> tuple[SpecResult, GenResult]:
     """Speculative and plain decoding of one prompt, each from its own generator of the same seed."""
     device = ids.device
-    spec = speculative_generate(target.model, drafter, target.embed_weight, target.lm_head_weight,
+    spec = speculative_generate(target.model, drafter, target.embed_weight, opts["draft_head"],
                                 drafter.config.target_layer_ids, ids, opts["max_new_tokens"], opts["eos"],
                                 opts["temperature"], _generator(device, seed), opts["block_size"])
     plain = target_generate(target.model, ids, opts["max_new_tokens"], opts["eos"], opts["temperature"],
@@ -112,7 +124,8 @@ def _run_sets(drafter, target, encoded: dict[str, list[torch.Tensor]], opts: dic
 def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[dict]]], *,
              max_new_tokens: int = 128, temperature: float = 0.0, thinking: bool | None = None,
              block_size: int | None = None, seed: int = 0, out_dir: str | Path | None = None,
-             progress: bool = True, warmup: bool = True, heartbeat=None, simulate=None) -> dict:
+             progress: bool = True, warmup: bool = True, heartbeat=None, simulate=None,
+             draft_vocab: torch.Tensor | None = None) -> dict:
     """Real speculative decoding vs plain target decoding on each prompt set (`heartbeat(stage)`, e.g.
     the watchdog's beat, is called after every prompt).
 
@@ -122,7 +135,8 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
     report.json and the PNG plots there. `simulate(sequences)`, given a set's (prompt ids,
     speculative output ids) pairs, returns the simulated acceptance on that very text ({"sim_tau": the
     decode walk, "sim_tau_anchors": per anchor}; `train/simulate.py`), kept in the set's figures: the
-    train/serve check (a gap means the decode loop and training disagree).
+    train/serve check (a gap means the decode loop and training disagree). `draft_vocab` [V'] restricts
+    the drafts to those token ids (spec_decode.DraftHead; the output is the same).
     """
     check_compatible(drafter, target)
     block_size = block_size or drafter.config.block_size
@@ -132,7 +146,8 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
                for name, prompts in prompt_sets.items() if prompts}
     if not encoded:
         raise ValueError("no prompts to evaluate")
-    opts = {"max_new_tokens": max_new_tokens, "eos": eos, "temperature": temperature, "block_size": block_size}
+    opts = {"max_new_tokens": max_new_tokens, "eos": eos, "temperature": temperature, "block_size": block_size,
+            "draft_head": DraftHead.of(target.lm_head_weight, draft_vocab)}
     was_training = drafter.training
     drafter.eval()
     try:
@@ -152,6 +167,7 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
                                                   zip(encoded[name], spec)]))
     report["target"], report["device"] = getattr(target, "name", "?"), str(device)
     report["dtype"] = str(target.dtype).removeprefix("torch.")  # bf16 may flip near-tie greedy tokens
+    report["draft_vocab"] = int(draft_vocab.numel()) if draft_vocab is not None else None  # None: the whole lm_head
     cfg = drafter.config
     report["drafter"] = {"num_layers": cfg.num_layers, "block_size": cfg.block_size,
                          "target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id}

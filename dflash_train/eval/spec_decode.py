@@ -212,20 +212,56 @@ def draft_hidden(drafter: DFlashDrafter, ctx: ContextCache, anchor: int, embed_w
     return drafter.draft(embeds, ctx, positions)[0]  # [B, H]
 
 
-def draft_head(hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-    """Logits [B-1, V] of slots 1..B-1 from draft_hidden's [B, H], on the lm_head's device."""
-    slots = hidden[1:].to(lm_head_weight.device, lm_head_weight.dtype)  # [B-1, H]
-    if slots.device.type == "cpu" and FEW_ROWS[0] <= slots.shape[0] <= FEW_ROWS[1]:
-        return few_row_matmul(slots, lm_head_weight)
-    return slots @ lm_head_weight.T
+@dataclass
+class DraftHead:
+    """The lm_head rows the drafter proposes from: all V, or a draft vocabulary (`ids`, sorted).
+
+    A draft vocabulary (the tokens the drafter's training softmax ran over, `loss.train_vocab`) is
+    the FR-Spec idea (Zhao et al. 2025): the drafter scores only those rows, so on a CPU its lm_head
+    costs V'/V of the full one. Lossless: the target verifies every draft, and a token outside the
+    subset is simply never proposed. Both paths return full-width logits (-inf outside the subset),
+    so rejection sampling compares the same [n, V] distributions either way."""
+
+    weight: torch.Tensor
+    """[V', H] rows scored (the whole lm_head when `ids` is None)."""
+    ids: torch.Tensor | None = None
+    """[V'] token id of each row; None: row i is token i."""
+    vocab_size: int = 0
+
+    @classmethod
+    def of(cls, lm_head_weight: torch.Tensor, ids: torch.Tensor | None = None) -> "DraftHead":
+        if ids is None:
+            return cls(lm_head_weight, None, lm_head_weight.shape[0])
+        ids = ids.to(lm_head_weight.device, torch.long)
+        return cls(lm_head_weight[ids].contiguous(), ids, lm_head_weight.shape[0])
+
+    def __call__(self, slots: torch.Tensor) -> torch.Tensor:
+        """Logits [n, V] of slot hidden states [n, H] (n = B-1), on the weight's device."""
+        slots = slots.to(self.weight.device, self.weight.dtype)
+        if slots.device.type == "cpu" and FEW_ROWS[0] <= slots.shape[0] <= FEW_ROWS[1]:
+            scores = few_row_matmul(slots, self.weight)
+        else:
+            scores = slots @ self.weight.T  # [n, V']
+        if self.ids is None:
+            return scores
+        logits = scores.new_full((slots.shape[0], self.vocab_size), float("-inf"))
+        logits[:, self.ids] = scores
+        return logits
+
+
+def draft_head(hidden: torch.Tensor, head: "torch.Tensor | DraftHead") -> torch.Tensor:
+    """Logits [B-1, V] of slots 1..B-1 from draft_hidden's [B, H], on the lm_head's device; `head`
+    is the lm_head weight [V, H] or a `DraftHead`."""
+    head = head if isinstance(head, DraftHead) else DraftHead.of(head)
+    return head(hidden[1:])  # [B-1, V]
 
 
 @torch.no_grad()
 def draft_logits(drafter: DFlashDrafter, ctx: ContextCache, anchor: int, embed_weight: torch.Tensor,
-                 lm_head_weight: torch.Tensor, block_size: int) -> torch.Tensor:
+                 head: "torch.Tensor | DraftHead", block_size: int) -> torch.Tensor:
     """Drafter logits [B-1, V] for slots 1..B-1 of the block [anchor, MASK x (B-1)] at ctx.length,
     on the lm_head's device."""
-    return draft_head(draft_hidden(drafter, ctx, anchor, embed_weight, block_size), lm_head_weight)
+    return draft_head(draft_hidden(drafter, ctx, anchor, embed_weight, block_size), head)
 
 
 def verify_block(anchor: int, draft: torch.Tensor) -> torch.Tensor:
@@ -265,13 +301,13 @@ def accept_sampled(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
 
 
 def _spec_step(target_model, drafter: DFlashDrafter, state: DecodeState, anchor: int, embed_weight: torch.Tensor,
-               lm_head_weight: torch.Tensor, layer_ids, block_size: int, temperature: float,
+               head: "torch.Tensor | DraftHead", layer_ids, block_size: int, temperature: float,
                generator) -> tuple[int, list[int]]:
     """One draft + verify step; returns (acc, the acc + 1 emitted tokens)."""
     start, device = state.ctx.length, embed_weight.device
     assert state.cache.get_seq_length() == start, "target and drafter caches out of step"
     with few_row_linear():
-        d_logits = draft_logits(drafter, state.ctx, anchor, embed_weight, lm_head_weight, block_size)
+        d_logits = draft_logits(drafter, state.ctx, anchor, embed_weight, head, block_size)
         q = _probs(d_logits, temperature) if temperature > 0 else None
         draft = (d_logits.argmax(-1) if q is None else _sample(q, generator)).to(device)  # [B-1]
         t_logits, taps = _target_forward(target_model, verify_block(anchor, draft), state.cache, taps=layer_ids)
@@ -292,9 +328,12 @@ def _spec_step(target_model, drafter: DFlashDrafter, state: DecodeState, anchor:
 def speculative_generate(target_model, drafter: DFlashDrafter, embed_weight: torch.Tensor,
                          lm_head_weight: torch.Tensor, layer_ids, prompt_ids: torch.Tensor, max_new_tokens: int,
                          eos_ids: Iterable[int], temperature: float = 0.0,
-                         generator: torch.Generator | None = None, block_size: int | None = None) -> SpecResult:
-    """DFlash speculative decoding of one prompt [1, P] (see the module docstring for the rules)."""
+                         generator: torch.Generator | None = None, block_size: int | None = None,
+                         draft_vocab: torch.Tensor | None = None) -> SpecResult:
+    """DFlash speculative decoding of one prompt [1, P] (see the module docstring for the rules);
+    `lm_head_weight` may be a ready `DraftHead`, else `draft_vocab` ([V'] ids) restricts the drafts."""
     block_size = block_size or drafter.config.block_size
+    head = lm_head_weight if isinstance(lm_head_weight, DraftHead) else DraftHead.of(lm_head_weight, draft_vocab)
     eos, device = set(int(e) for e in eos_ids), prompt_ids.device
     _sync(device)
     t0 = time.perf_counter()
@@ -305,7 +344,7 @@ def speculative_generate(target_model, drafter: DFlashDrafter, embed_weight: tor
         tokens.append(int(_pick(logits, temperature, generator)))
         new = 1
         while not _done(tokens, new, max_new_tokens, eos):
-            acc, emitted = _spec_step(target_model, drafter, state, tokens[-1], embed_weight, lm_head_weight,
+            acc, emitted = _spec_step(target_model, drafter, state, tokens[-1], embed_weight, head,
                                       layer_ids, block_size, temperature, generator)
             accepted.append(acc)
             tokens.extend(emitted)

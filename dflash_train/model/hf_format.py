@@ -24,6 +24,10 @@ from dflash_train.model.drafter import DFlashDrafter
 from dflash_train.model.taps import build_target_layer_ids
 
 WEIGHTS = "model.safetensors"
+DRAFT_VOCAB = "draft_vocab.json"
+"""Optional: the token ids the drafter was trained to propose (its training softmax, `loss.train_vocab`).
+Our eval drafts over them only (`eval.draft_vocab`); JSON, not safetensors, so engines that load every
+*.safetensors of the directory as weights never see it."""
 TRAINED_AGAINST = "trained_against"
 """dflash_config key holding the identity of the target the drafter was trained against."""
 DFLASH_KEYS = {"mask_token_id", "target_layer_ids", "block_size"}
@@ -213,10 +217,34 @@ def save_speculators(drafter: DFlashDrafter, out_dir: str | Path, embed_weight: 
     return _write_dir(out_dir, files)
 
 
+def draft_vocab_file(ids: torch.Tensor | list[int]) -> dict:
+    """The content of DRAFT_VOCAB for sorted token ids."""
+    return {"ids": [int(i) for i in ids], "source": "the drafter's training softmax (loss.train_vocab)"}
+
+
+def load_draft_vocab(model_dir: str | Path, vocab_size: int) -> torch.Tensor | None:
+    """The draft vocabulary [V'] of a drafter directory, or None where it has none; a malformed file
+    is an error naming the file and the field."""
+    path = Path(model_dir) / DRAFT_VOCAB
+    if not path.is_file():
+        return None
+    try:
+        ids = json.loads(path.read_text())["ids"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: expected a JSON object with an 'ids' list of token ids ({type(e).__name__}: {e})")
+    bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < vocab_size]
+    if not ids or bad:
+        raise ValueError(f"{path}: field 'ids' must list token ids in [0, {vocab_size}); "
+                         f"{'it is empty' if not ids else f'bad entries: {bad[:5]}'}")
+    return torch.tensor(sorted(set(ids)), dtype=torch.long)
+
+
 def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, target_model: str | None = None,
-                   gguf_file: str | None = None, dtype: torch.dtype = torch.bfloat16, log=print) -> Path:
+                   gguf_file: str | None = None, dtype: torch.dtype = torch.bfloat16, log=print,
+                   draft_vocab: torch.Tensor | None = None) -> Path:
     """The serving artefact: save in z-lab format with the training target recorded in
-    `dflash_config.trained_against`, then check it as the engines will load it.
+    `dflash_config.trained_against` (and `draft_vocab`, the ids of its training softmax, as
+    DRAFT_VOCAB), then check it as the engines will load it.
 
     Raises `ServingContractError` (a ValueError listing every failure) when the written drafter
     would be served wrong. A target whose files are not on this machine (a disaggregated run's
@@ -231,7 +259,9 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, target_model: st
             target = describe_target(target_model, gguf_file)
         except (FileNotFoundError, OSError, ValueError) as e:
             log(f"export: WARNING: the training target is not recorded and not checked: {e}")
-    path = save_zlab(drafter, out_dir, dtype=dtype, trained_against=target.provenance() if target else None)
+    extra = {DRAFT_VOCAB: draft_vocab_file(draft_vocab)} if draft_vocab is not None else None
+    path = save_zlab(drafter, out_dir, dtype=dtype, extra_files=extra,
+                     trained_against=target.provenance() if target else None)
     failures = check_drafter(path, target, trained=drafter)
     if failures:
         raise ServingContractError(path, failures)

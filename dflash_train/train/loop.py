@@ -20,7 +20,7 @@ from dflash_train.config import RunConfig
 from dflash_train.data.text import check_data_format
 from dflash_train.diagnostics.threads import contention_notice
 from dflash_train.diagnostics.watchdog import Watchdog
-from dflash_train.eval.evaluate import evaluate
+from dflash_train.eval.evaluate import eval_draft_vocab, evaluate
 from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
 from dflash_train.eval.report import lossless_note
 from dflash_train.model.config import DrafterConfig
@@ -231,7 +231,8 @@ def _train_drafter(p: Process, s: Setup) -> dict:
               "tokens": t.progress.tokens, "sim": last_sim, "interrupted": p.stop.signal, "out_dir": str(p.out_dir)}
     if topo.is_main:
         best = s.checkpointer.best() or s.checkpointer.latest()
-        result["export"] = str(_export(best, p.out_dir, log, cfg.target))
+        vocab = t.ctx.train_vocab.ids.cpu() if t.ctx.train_vocab is not None else None
+        result["export"] = str(_export(best, p.out_dir, log, cfg.target, vocab))
         result["checkpoint"] = str(best)
         if cfg.eval.num_prompts > 0 and topo.target_in_process and not p.stop():
             with p.watchdog.stage("real speculative decoding eval"):
@@ -394,7 +395,8 @@ def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log, he
     with torch.compiler.set_stance("force_eager"):  # decoding shapes change every step: no compiled layers
         report = evaluate(drafter, target, _eval_prompt_sets(cfg, target, out_dir), max_new_tokens=cfg.eval.max_new_tokens,
                           temperature=cfg.eval.temperature, thinking=cfg.data.thinking, seed=cfg.train.seed,
-                          out_dir=out_dir / "eval", heartbeat=heartbeat, simulate=simulator(drafter, target, ctx))
+                          out_dir=out_dir / "eval", heartbeat=heartbeat, simulate=simulator(drafter, target, ctx),
+                          draft_vocab=eval_draft_vocab(cfg.eval, drafter_dir, drafter, log))
     for name, figures in report["sets"].items():
         log(f"eval [{name}]: tau {figures['tau']:.3f} (simulated on the same text {figures['sim_tau']:.3f}: "
             f"{figures['sim_tau'] / figures['tau'] - 1:+.0%}; per anchor {figures['sim_tau_anchors']:.3f}), "
@@ -439,10 +441,12 @@ def _agree_min(value: int, ctx: StepContext) -> int:
     return int(t.item())
 
 
-def _export(checkpoint: Path, out_dir: Path, log, target_cfg) -> Path:
-    """The serving artefact: the chosen checkpoint's drafter in bf16, z-lab format, checked."""
+def _export(checkpoint: Path, out_dir: Path, log, target_cfg, draft_vocab: torch.Tensor | None) -> Path:
+    """The serving artefact: the chosen checkpoint's drafter in bf16, z-lab format, checked, with the
+    ids of its training softmax (`loss.train_vocab`) as its draft vocabulary."""
     drafter = load_zlab(checkpoint / "drafter", device="cpu")  # weights only: no optimizer state read
-    path = export_drafter(drafter, out_dir / "drafter", target_cfg.model, target_cfg.gguf_file, log=log)
+    path = export_drafter(drafter, out_dir / "drafter", target_cfg.model, target_cfg.gguf_file, log=log,
+                          draft_vocab=draft_vocab)
     log(f"exported z-lab drafter {path} (from {checkpoint.name})")
     return path
 

@@ -11,7 +11,7 @@ from dflash_train.eval.evaluate import eos_token_ids, evaluate, prompt_messages
 from dflash_train.eval.report import HISTOGRAM_PNG, PER_POSITION_PNG
 from dflash_train.model.config import drafter_config_from_target
 from dflash_train.model.drafter import DFlashDrafter
-from dflash_train.model.hf_format import save_zlab
+from dflash_train.model.hf_format import DRAFT_VOCAB, draft_vocab_file, save_zlab
 from dflash_train.model.target import resolve_mask_token_id
 
 PROMPTS = [
@@ -91,6 +91,30 @@ def test_cli_eval_end_to_end(tiny_qwen3_target, tiny_qwen3_dir, prompts_file, tm
     assert 1.0 <= report["sets"]["mine"]["sim_tau"] <= 4.0 and "sim tau" in text
     assert report["thinking"] is False and report["max_new_tokens"] == 10
     assert (out / PER_POSITION_PNG).is_file() and (out / HISTOGRAM_PNG).is_file()
+    assert report["draft_vocab"] is None and "draft vocabulary" not in text  # the directory has none
+
+
+def test_cli_eval_drafts_over_the_drafter_s_draft_vocabulary(tiny_qwen3_target, tiny_qwen3_dir, prompts_file,
+                                                             tmp_path, capsys):
+    drafter_dir = save_zlab(_drafter(tiny_qwen3_target.config, tiny_qwen3_target.tokenizer), tmp_path / "drafter",
+                            dtype=torch.float32)
+    (drafter_dir / DRAFT_VOCAB).write_text(json.dumps(draft_vocab_file(range(0, 200, 2))))
+    args = ["eval", "--drafter", str(drafter_dir), "--target", str(tiny_qwen3_dir), "--prompts", str(prompts_file),
+            "--num-prompts", "2", "--max-new-tokens", "8", "--device", "cpu", "--thinking", "off", "--no-progress"]
+    reports = {}
+    for mode in ("auto", "full"):
+        rc = main(args + ["--out", str(tmp_path / mode), "--draft-vocab", mode])
+        text = capsys.readouterr().out
+        assert rc == 0, text
+        assert ("drafting over the drafter's 100-token draft vocabulary" in text) == (mode == "auto")
+        reports[mode] = json.loads((tmp_path / mode / "report.json").read_text())
+    assert reports["auto"]["draft_vocab"] == 100 and reports["full"]["draft_vocab"] is None
+    for mode in reports:  # lossless either way (float32 greedy)
+        assert reports[mode]["sets"]["mine"]["identical_outputs"] == 2
+    (drafter_dir / DRAFT_VOCAB).write_text('{"ids": [1, -3]}')  # fails in validation, before the target loads
+    rc = main(args + ["--out", str(tmp_path / "bad")])
+    text = capsys.readouterr().out
+    assert rc == 2 and "draft_vocab.json: field 'ids' must list token ids" in text and "target: loading" not in text
 
 
 def test_cli_eval_default_prompt_sets(tiny_qwen3_target, tiny_qwen3_dir, tmp_path, capsys):

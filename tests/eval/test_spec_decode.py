@@ -10,7 +10,7 @@ import torch
 from eval_helpers import BigramLM, tiny_drafter, tiny_target
 
 from dflash_train.eval import spec_decode
-from dflash_train.eval.spec_decode import accept_greedy, speculative_generate, target_generate
+from dflash_train.eval.spec_decode import DraftHead, accept_greedy, speculative_generate, target_generate
 
 
 def _spec(target, drafter, prompt, n, eos=(), block_size=None, temperature=0.0, generator=None):
@@ -94,6 +94,43 @@ def test_greedy_equals_target_when_drafts_are_accepted(qwen3, prompts, block_siz
     assert set(hist) == set(range(block_size)) or len(hist) >= 3, hist  # rejections, partial and full
 
 
+@pytest.mark.parametrize("rows", [3, 8])  # 3: the CPU's few-row product; 8: the plain one
+def test_a_draft_vocabulary_scores_only_its_rows(rows):
+    """DraftHead over ids: the full head's logits on those ids, -inf on every other token, so the
+    argmax is the best token of the subset and a sample never leaves it."""
+    g = torch.Generator().manual_seed(0)
+    weight, hidden = torch.randn(50, 8, generator=g), torch.randn(rows + 1, 8, generator=g)
+    ids = torch.tensor([1, 4, 5, 17, 30, 49])
+    full = spec_decode.draft_head(hidden, weight)  # [rows, 50]
+    restricted = spec_decode.draft_head(hidden, DraftHead.of(weight, ids))
+    torch.testing.assert_close(restricted[:, ids], full[:, ids])
+    outside = torch.ones(50, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isneginf(restricted[:, outside]).all()
+    assert torch.equal(restricted.argmax(-1), ids[full[:, ids].argmax(-1)])
+    assert (full.argmax(-1) != restricted.argmax(-1)).any()  # the subset changes some drafts here
+
+
+def test_greedy_with_a_draft_vocabulary_equals_target_and_drafts_inside_it(qwen3, prompts, monkeypatch):
+    """Lossless with a draft vocabulary; every proposed token is one of its ids."""
+    drafter = tiny_drafter(qwen3.config, block_size=4)
+    ids = torch.arange(0, 97, 3)  # a third of the vocabulary
+    drafts = []
+    real_pick = spec_decode.verify_block
+
+    def record(anchor, draft):
+        drafts.extend(draft.tolist())
+        return real_pick(anchor, draft)
+
+    monkeypatch.setattr(spec_decode, "verify_block", record)
+    for prompt in prompts:
+        spec = speculative_generate(qwen3, drafter, qwen3.get_input_embeddings().weight,
+                                    qwen3.get_output_embeddings().weight, drafter.config.target_layer_ids, prompt, 24,
+                                    [], draft_vocab=ids)
+        assert spec.tokens == target_generate(qwen3, prompt, 24, []).tokens
+    assert drafts and set(drafts) <= set(ids.tolist())
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
 def test_few_row_linear_routes_only_few_rows_and_matches_linear(rows):
     """Inside `few_row_linear`, nn.Linear on 2..4 rows equals `few_row_matmul` (+ bias) bit for bit
@@ -153,9 +190,14 @@ class StubDrafter(torch.nn.Module):
         return [(ctx[:, None], ctx[:, None])]  # [b, 1, n, K*H]: what ContextCache concatenates
 
 
-def table_draft(vocab: int, seed: int):
-    """Draft logits from a random table indexed by (anchor, slot): far from the target's conditionals."""
+def table_draft(vocab: int, seed: int, subset: list[int] | None = None):
+    """Draft logits from a random table indexed by (anchor, slot): far from the target's conditionals;
+    with `subset`, -inf on every other token (a draft vocabulary: q is 0 there)."""
     table = torch.randn(vocab, 16, vocab, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2
+    if subset is not None:
+        outside = torch.ones(vocab, dtype=torch.bool)
+        outside[subset] = False
+        table[..., outside] = float("-inf")
 
     def draft(drafter, ctx, anchor, embed_weight, lm_head_weight, block_size):
         return table[anchor, : block_size - 1]  # [B-1, V]
@@ -201,15 +243,15 @@ def _exact_triples(target: BigramLM, temperature: float) -> dict:
             for a in range(8) for b in range(8) for c in range(8)}
 
 
-@pytest.mark.parametrize("block_size", [2, 4])
-def test_rejection_sampling_preserves_target_distribution(block_size, monkeypatch):
+@pytest.mark.parametrize("block_size,subset", [(2, None), (4, None), (4, [0, 2, 3, 5])])
+def test_rejection_sampling_preserves_target_distribution(block_size, subset, monkeypatch):
     """3 sampled tokens after a prompt: the first from the prefill, the next two through draft
     slots, rejections, corrections and (B=2) bonus tokens. Their joint must match the target's
     p(a) p(b|a) p(c|b) (chi-square at 1e-4 and total variation); the same test must reject a
     classic bug (after a rejection, resampling from p instead of the residual max(p - q, 0))."""
     temperature, n = 0.9, 2000
     target = BigramLM(vocab=8, hidden=4, num_layers=3, seed=0)
-    monkeypatch.setattr(spec_decode, "draft_logits", table_draft(8, seed=1))
+    monkeypatch.setattr(spec_decode, "draft_logits", table_draft(8, seed=1, subset=subset))
     exact = _exact_triples(target, temperature)
     counts = _sample_triples(target, block_size, n, temperature)
     stat, dof = _chi2(counts, exact, n)
