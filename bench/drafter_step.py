@@ -198,6 +198,14 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
     persistent = PersistentMasks() if a.compile_mode == "reduce-overhead" else None
     ctx = C.step_context(dcfg, embed, lm_head, device, backend, a.chunk_tokens, compile_loss=compile_loss,
                          persistent_masks=persistent)
+    if a.fp8_lm_head:  # as the trainer does with train.fp8_lm_head (train/loop.py)
+        from dataclasses import replace
+
+        from dflash_train.fp8 import float8_head, require_fp8
+
+        require_fp8(device, "train.precision")
+        ctx = replace(ctx, loss_head_fp8=float8_head(lm_head))
+    b.info["fp8_lm_head"] = bool(a.fp8_lm_head)
     if a.master_weights and device.type != "cuda":
         raise ValueError("--master-weights needs CUDA: the bf16 weights rely on bf16 autocast; CPU steps run in float32")
     optimizer, scheduler = build_optimizer(drafter.parameters(), OptimConfig(), 1000, master_weights=a.master_weights)

@@ -47,6 +47,7 @@ def parse(argv=None):
     p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="train.precision")
     p.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise"), default="tensorwise", help="train.fp8_recipe")
     p.add_argument("--target-precision", choices=("bf16", "fp8"), default="bf16", help="target.precision")
+    p.add_argument("--fp8-lm-head", action="store_true", help="train.fp8_lm_head=true (with --precision fp8)")
     p.add_argument("--target-dir", default="/tmp/dflash-e2e-target", help="where the random target is saved")
     p.add_argument("--out", default="/tmp/dflash-e2e-run", help="train.out_dir (emptied first)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="more trainer overrides")
@@ -120,7 +121,7 @@ def train_overrides(a, target_dir: Path, data: Path) -> list[str]:
     over = [f"target.model={target_dir}", f"data.train={data}", "data.regenerate=false", f"train.out_dir={a.out}",
             f"train.max_steps={a.steps}", f"train.log_every={a.log_every}", "train.tensorboard=false",
             f"train.eval_every={10 * a.steps}", f"train.ckpt_every={10 * a.steps}", "eval.num_prompts=0",
-            f"train.precision={a.precision}", f"train.fp8_recipe={a.fp8_recipe}",
+            f"train.precision={a.precision}", f"train.fp8_recipe={a.fp8_recipe}", f"train.fp8_lm_head={a.fp8_lm_head}",
             f"target.precision={a.target_precision}"]
     if a.small:
         over += ["data.max_len=128", "drafter.num_layers=1", "drafter.block_size=4", "train.num_anchors=8",

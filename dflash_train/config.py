@@ -186,6 +186,11 @@ class TrainConfig:
     capability >= 8.9); weights, optimizer and checkpoints are unchanged."""
     fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     """Scaling of train.precision=fp8: one scale per tensor (faster) or per row (finer)."""
+    fp8_lm_head: bool = False
+    """With train.precision=fp8, also the frozen lm_head's two matmuls in the loss (the logits, and the
+    gradient to the drafter's hidden state) in float8: the weight cast to e4m3 once per run, hidden
+    states e4m3 and gradient logits e5m2 with one dynamic scale per chunk. At the paper shapes the
+    lm_head is a quarter of a step's FLOPs."""
     log_every: int = 10
     eval_every: int = 200
     ckpt_every: int = 500

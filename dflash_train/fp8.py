@@ -9,6 +9,7 @@ Hopper or newer), whose tensor cores run e4m3/e5m2 matmuls at twice the bf16 rat
 from __future__ import annotations
 
 import importlib.util
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -65,3 +66,47 @@ def describe_conversion(what: str, recipe: str, converted: list[str], skipped: l
         shapes = {n: tuple(root.get_submodule(n).weight.shape) for n in skipped}
         line += "; kept in bf16 (dims not multiples of 16): " + ", ".join(f"{n} {s}" for n, s in shapes.items())
     return line
+
+
+class Float8Head(NamedTuple):
+    """The frozen lm_head [V, H] in float8 (e4m3, one scale for the tensor, cast once per run: it never
+    changes), in both layouts the loss's two matmuls need as torchao `Float8TrainingTensor`s."""
+
+    for_logits: torch.Tensor
+    """W^T [H, V], column-major: logits = hidden @ W^T."""
+    for_grad: torch.Tensor
+    """W [V, H], column-major: d hidden = d logits @ W."""
+
+
+def _mm_config():
+    from torchao.float8.float8_training_tensor import LinearMMConfig
+
+    return LinearMMConfig()  # torchao's Float8Linear defaults: fast accumulation for the output gemm only
+
+
+def float8_head(weight: torch.Tensor) -> Float8Head:
+    """`weight` [V, H] as a Float8Head; both dims must be multiples of 16 (float8 gemms need it)."""
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    if any(d % FP8_ALIGN for d in weight.shape):
+        raise ValueError(f"train.fp8_lm_head: the lm_head {tuple(weight.shape)} is not a multiple of {FP8_ALIGN} "
+                         "in both dims (float8 matmuls need it); set train.fp8_lm_head=false")
+    w = weight.detach()
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return hp_tensor_to_float8_dynamic(t, torch.float8_e4m3fn, _mm_config(), gemm_input_role=GemmInputRole.WEIGHT)
+
+    return Float8Head(cast(w).t(), cast(w.t().contiguous()).t())
+
+
+def float8_mm(x: torch.Tensor, weight8: torch.Tensor, gradient: bool = False) -> torch.Tensor:
+    """x [m, K] @ weight8 (a Float8Head member) with x cast dynamically, one scale per call: e4m3 for
+    activations, e5m2 for gradient logits (their range matters more than their precision; torchao's
+    choice for grad outputs). Returns [m, N] in x's dtype."""
+    from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+    from torchao.float8.float8_training_tensor import GemmInputRole
+
+    role = GemmInputRole.GRAD_OUTPUT if gradient else GemmInputRole.INPUT
+    dtype = torch.float8_e5m2 if gradient else torch.float8_e4m3fn
+    return torch.mm(hp_tensor_to_float8_dynamic(x, dtype, _mm_config(), gemm_input_role=role), weight8)

@@ -270,6 +270,8 @@ def precision_problems(cfg: RunConfig) -> list[str]:
     >= 8.9; checked here, before the target loads."""
     options = [key for key, value in (("train.precision", cfg.train.precision),
                                       ("target.precision", cfg.target.precision)) if value == "fp8"]
+    if cfg.train.fp8_lm_head and cfg.train.precision != "fp8":
+        return ["train.fp8_lm_head=true: the lm_head runs in float8 only with train.precision=fp8"]
     if not options:
         return []
     # local: dflash_train.fp8 imports torch, which this module avoids (the doctor's parent runs it)

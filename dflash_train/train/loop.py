@@ -188,12 +188,23 @@ def _step_context(p: Process, s: Setup) -> StepContext:
     lm_head = s.target.lm_head_weight.detach()
     vocab = setup.train_vocab_of(p.cfg, s.data.train, s.target.vocab_size, p.log)
     vocab = vocab.to(p.device) if vocab is not None else None
+    loss_head = vocab.restrict(lm_head) if vocab is not None else lm_head
     return StepContext(embed_weight=s.target.embed_weight.detach(), lm_head_weight=lm_head, drafter=s.dcfg,
                        gamma=setup.gamma_of(p.cfg), chunk_tokens=p.cfg.loss.chunk_tokens, backend=s.backend,
                        device=p.device, autocast_dtype=torch.bfloat16 if p.device.type == "cuda" else None,
                        dp_group=p.dp_group, num_drafters=p.topo.num_drafters, compile_loss=s.compiled,
-                       train_vocab=vocab, train_lm_head=vocab.restrict(lm_head) if vocab is not None else None,
-                       loss=LossMix.from_config(p.cfg.loss))
+                       train_vocab=vocab, train_lm_head=loss_head if vocab is not None else None,
+                       loss=LossMix.from_config(p.cfg.loss), loss_head_fp8=_loss_head_fp8(p, loss_head))
+
+
+def _loss_head_fp8(p: Process, loss_head: torch.Tensor):
+    """The loss's lm_head in float8 (train.fp8_lm_head), cast once: the weight is frozen."""
+    if not p.cfg.train.fp8_lm_head:
+        return None
+    from dflash_train.fp8 import float8_head
+
+    p.log(f"fp8: lm_head {tuple(loss_head.shape)} in float8 in the loss (e4m3 weight, cast once; dynamic scales)")
+    return float8_head(loss_head)
 
 
 def _build_training(p: Process, s: Setup) -> Training:

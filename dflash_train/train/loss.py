@@ -42,6 +42,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from dflash_train.fp8 import float8_mm
 
 UNDERFLOW_CLAMP = -80.0  # exp() below e^-87 yields float32 subnormals: ~60x slower on CPU
 
@@ -138,16 +139,28 @@ def _d_logits(log_probs, s_log_t, t_prob, labels, t_argmax, mix: LossMix) -> tor
     return d
 
 
-def fused_ce_rows(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, want_grad: bool):
+def _logits(x: torch.Tensor, weight: torch.Tensor, fp8) -> torch.Tensor:
+    """x [c, H] @ weight.T -> [c, V] in the weight dtype; through the float8 head when there is one."""
+    return x @ weight.T if fp8 is None else float8_mm(x.to(weight.dtype), fp8.for_logits)
+
+
+def _hidden_grad(d_logits: torch.Tensor, weight: torch.Tensor, fp8) -> torch.Tensor:
+    """d_logits [c, V] @ weight -> [c, H] in the weight dtype (float8: e5m2 gradient logits)."""
+    d_logits = d_logits.to(weight.dtype)
+    return d_logits @ weight if fp8 is None else float8_mm(d_logits, fp8.for_grad, gradient=True)
+
+
+def fused_ce_rows(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, want_grad: bool, fp8=None):
     """The cross-entropy of `softmax_rows` written for inductor: same results, fewer passes.
 
     `log_softmax` lowers to one online (max, sum-exp) reduction over the logits in the matmul's
     dtype; the label's log-probability is a gather, and softmax - onehot is one pointwise kernel
     that writes the gradient logits in the weight dtype. No float32 [c, V] tensor is written.
     The hand-written max/clamp/exp chain of `_log_softmax_clamped` defeats that fusion (two or
-    three passes over float32 logits), and the clamp only matters on CPUs.
+    three passes over float32 logits), and the clamp only matters on CPUs. `fp8`: the lm_head as a
+    `fp8.Float8Head` (train.fp8_lm_head), which both matmuls then run through.
     """
-    logits = hidden @ weight.T  # [c, V], weight dtype
+    logits = _logits(hidden, weight, fp8)  # [c, V], weight dtype
     log_probs = logits.to(torch.promote_types(weight.dtype, torch.float32)).log_softmax(-1)  # fused away
     losses = -log_probs.gather(1, labels[:, None]).squeeze(1)
     argmax = logits.argmax(-1)
@@ -155,17 +168,17 @@ def fused_ce_rows(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
         return losses, argmax, None
     vocab = torch.arange(logits.shape[-1], device=logits.device)
     d_logits = log_probs.exp() - (vocab == labels[:, None]).to(log_probs.dtype)  # softmax - onehot
-    return losses, argmax, d_logits.to(weight.dtype) @ weight  # [c, H]
+    return losses, argmax, _hidden_grad(d_logits, weight, fp8)  # [c, H]
 
 
 def fused_mix_rows(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor | None,
-                   teacher: torch.Tensor, want_grad: bool, mix: LossMix):
+                   teacher: torch.Tensor, want_grad: bool, mix: LossMix, fp8=None):
     """`softmax_rows` with a teacher, written for inductor like `fused_ce_rows`: log_softmax
     expressions without the clamp chain, so the reductions and the gradient logits fuse. The mix's
     coefficients are Python constants (one graph per run); shapes are static, nothing syncs."""
     acc = torch.promote_types(weight.dtype, torch.float32)
-    logits = hidden @ weight.T  # [c, V], weight dtype
-    t_logits = teacher.to(weight.dtype) @ weight.T  # [c, V]
+    logits = _logits(hidden, weight, fp8)  # [c, V], weight dtype
+    t_logits = _logits(teacher.to(weight.dtype), weight, fp8)  # [c, V]
     log_probs = logits.to(acc).log_softmax(-1)
     argmax, t_argmax = logits.argmax(-1), t_logits.argmax(-1)
     vocab = torch.arange(logits.shape[-1], device=logits.device)
@@ -186,17 +199,17 @@ def fused_mix_rows(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Ten
     d_logits = (mix.ce + mix.ce_teacher) * log_probs.exp() - target
     if mix.kl:
         d_logits = d_logits + (mix.kl * temp) * (s_log.exp() - t_log.exp())
-    return losses, argmax, d_logits.to(weight.dtype) @ weight  # [c, H]
+    return losses, argmax, _hidden_grad(d_logits, weight, fp8)  # [c, H]
 
 
-def _rows_fused(hidden, weight, labels, teacher, want_grad, mix: LossMix):
+def _rows_fused(hidden, weight, labels, teacher, want_grad, mix: LossMix, fp8=None):
     """Compiled entry point: the fused cross-entropy, or the fused mix when a teacher takes part."""
     if mix == CE:
-        return fused_ce_rows(hidden, weight, labels, want_grad)
+        return fused_ce_rows(hidden, weight, labels, want_grad, fp8)
     if not mix.needs_teacher:  # a scaled data-token CE (mix with kl_weight=0)
-        loss, top, grad = fused_ce_rows(hidden, weight, labels, want_grad)
+        loss, top, grad = fused_ce_rows(hidden, weight, labels, want_grad, fp8)
         return mix.ce * loss, top, None if grad is None else mix.ce * grad
-    return fused_mix_rows(hidden, weight, labels, teacher, want_grad, mix)
+    return fused_mix_rows(hidden, weight, labels, teacher, want_grad, mix, fp8)
 
 
 @functools.lru_cache(maxsize=None)
@@ -209,26 +222,28 @@ class _LinearSoftmaxLoss(torch.autograd.Function):
     """Per-row loss of logits = hidden @ weight.T: the `LossMix` of a data label, the teacher's
     argmax and the teacher's distribution (teacher logits = teacher @ weight.T, chunk by chunk).
 
-    forward(hidden [T, H], weight [V, H], labels [T] | None, teacher [T, H] | None, chunk, compiled, mix)
+    forward(hidden [T, H], weight [V, H], labels [T] | None, teacher [T, H] | None, chunk, compiled, mix, fp8)
       -> loss [T] (float32, or float64 for float64 inputs), argmax [T]
+    fp8 (a `fp8.Float8Head` of weight, or None) runs the matmuls in float8, always in the fused form.
     The weight is frozen (no gradient); the gradient w.r.t. hidden is built chunk by chunk in
     the forward pass: d loss / d logits = softmax(logits) - target_distribution (`_d_logits`).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, teacher, chunk: int, compiled: bool, mix: LossMix):
+    def forward(ctx, hidden, weight, labels, teacher, chunk: int, compiled: bool, mix: LossMix, fp8=None):
         hidden = hidden.to(weight.dtype)
         rows = hidden.shape[0]
         losses = hidden.new_empty(rows, dtype=torch.promote_types(weight.dtype, torch.float32))
         argmax = torch.empty(rows, dtype=torch.long, device=hidden.device)
         want_grad = ctx.needs_input_grad[0]
         grad = torch.empty_like(hidden) if want_grad else None
-        rows_fn = compiled_softmax_rows() if compiled else softmax_rows
+        rows_fn = compiled_softmax_rows() if compiled else _rows_fused if fp8 is not None else softmax_rows
+        extra = () if fp8 is None else (fp8,)
         for start in range(0, rows, chunk):
             end = min(start + chunk, rows)
             part = slice(start, end)
             loss, top, d_hidden = rows_fn(hidden[part], weight, None if labels is None else labels[part],
-                                          None if teacher is None else teacher[part], want_grad, mix)
+                                          None if teacher is None else teacher[part], want_grad, mix, *extra)
             losses[part], argmax[part] = loss, top
             if want_grad:
                 grad[part] = d_hidden
@@ -240,21 +255,22 @@ class _LinearSoftmaxLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_losses, grad_argmax):
         (grad,) = ctx.saved_tensors
-        return grad * grad_losses[:, None].to(grad.dtype), None, None, None, None, None, None
+        return grad * grad_losses[:, None].to(grad.dtype), None, None, None, None, None, None, None
 
 
 def linear_softmax_loss(hidden, weight, labels=None, teacher=None, chunk: int = 2048, compiled: bool = False,
-                        mix: LossMix = CE):
+                        mix: LossMix = CE, fp8=None):
     """Chunked lm_head + the per-row loss `mix` (module doc): labels [T] for its data-token CE,
     teacher [T, H] (the target's final hidden, already final-normed) for its teacher terms.
 
-    compiled=True runs each chunk through `compiled_softmax_rows` (GPU training: fused passes)."""
+    compiled=True runs each chunk through `compiled_softmax_rows` (GPU training: fused passes); fp8, a
+    `fp8.Float8Head` of weight, runs the lm_head's matmuls in float8 (train.fp8_lm_head)."""
     if mix.ce and labels is None:
         raise ValueError(f"{mix}: the data-token cross-entropy needs labels")
     if mix.needs_teacher and teacher is None:
         raise ValueError(f"{mix}: the teacher terms need the target's final hidden state (teacher)")
     return _LinearSoftmaxLoss.apply(hidden, weight, labels, teacher if mix.needs_teacher else None, chunk,
-                                    compiled, mix)
+                                    compiled, mix, fp8)
 
 
 def teacher_hidden_at(final_hidden: torch.Tensor, anchors: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -313,7 +329,7 @@ class LossStats:
 
 def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
                gamma: float, chunk_tokens: int = 2048, teacher_hidden: torch.Tensor | None = None,
-               compiled: bool = False, mix: LossMix = CE) -> LossStats:
+               compiled: bool = False, mix: LossMix = CE, fp8=None) -> LossStats:
     """Loss sums for drafter outputs hidden [b, N*B, H] against data labels/valid [b, N, B].
 
     teacher_hidden [b, N, B, H] (`teacher_hidden_at`: the final-normed target hidden at a + k - 1)
@@ -325,7 +341,7 @@ def block_loss(hidden: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch
     ok = valid[:, :, 1:]
     teacher = None if teacher_hidden is None else teacher_hidden[:, :, 1:].reshape(-1, teacher_hidden.shape[-1])
     losses, argmax = linear_softmax_loss(h.reshape(-1, h.shape[-1]), lm_head_weight, lab.reshape(-1), teacher,
-                                         chunk_tokens, compiled, mix)
+                                         chunk_tokens, compiled, mix, fp8)
     losses = losses.view(b, n, block - 1)
     okf = ok.to(losses.dtype)
     w = slot_weights(block, gamma, hidden.device, losses.dtype) * okf  # [b, N, B-1]

@@ -24,6 +24,7 @@ from dflash_train.model.target_subset import TargetSubset
 from dflash_train.train.batching import MicroBatch, Sample, padded_length
 from dflash_train.train.taps import FINAL_HIDDEN, StoredRows, TapsSpec
 from dflash_train.train.topology import Topology
+from dflash_train.fp8 import FP8_ALIGN
 from dflash_train.train.vocab import vocab_subset
 
 
@@ -213,7 +214,7 @@ def train_vocab_of(cfg: RunConfig, samples: list[Sample], vocab_size: int, log):
     the lowest ids), or None for the full vocabulary."""
     if cfg.loss.train_vocab is None:
         return None
-    vocab = vocab_subset((s.input_ids for s in samples), vocab_size, cfg.loss.train_vocab)
+    vocab = vocab_subset((s.input_ids for s in samples), vocab_size, cfg.loss.train_vocab, multiple=FP8_ALIGN)
     log(f"loss: training softmax over {vocab.ids.numel()} of {vocab_size} tokens (loss.train_vocab); "
         "held-out and real eval use all of them")
     return vocab

@@ -31,7 +31,7 @@ def eval_context(ctx: StepContext) -> StepContext:
     """The uncompiled drafter's path: SDPA, the eager loss, the full vocabulary (eval shapes differ
     from training shapes; no recompiles of the training graphs)."""
     return dataclasses.replace(ctx, backend="sdpa", num_drafters=1, compile_loss=False, train_vocab=None,
-                               train_lm_head=None, persistent_masks=None)
+                               train_lm_head=None, persistent_masks=None, loss_head_fp8=None)
 
 
 def simulated_tau(drafter, eval_mbs, ctx: StepContext) -> dict:

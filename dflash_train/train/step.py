@@ -43,6 +43,7 @@ class StepContext:
     train_lm_head: torch.Tensor | None = None  # lm_head rows of train_vocab, [V', H]
     persistent_masks: PersistentMasks | None = None  # CUDA graphs (bench): masks kept at fixed addresses
     loss: LossMix = CE  # loss.kind as coefficients; teacher terms read batch["final_hidden"]
+    loss_head_fp8: object = None  # fp8.Float8Head of the lm_head the loss uses (train.fp8_lm_head), or None
 
     @property
     def block_size(self) -> int:
@@ -92,7 +93,7 @@ def forward_stats(model, batch: dict, ctx: StepContext) -> LossStats:
         teacher = teacher_hidden_at(batch["final_hidden"], batch["anchors"], ctx.block_size) \
             if ctx.loss.needs_teacher else None  # [b, N, B, H]
         return block_loss(hidden, lm_head, labels, valid, ctx.gamma, ctx.chunk_tokens, teacher_hidden=teacher,
-                          compiled=ctx.compile_loss, mix=ctx.loss)
+                          compiled=ctx.compile_loss, mix=ctx.loss, fp8=ctx.loss_head_fp8)
 
 
 def global_weight_sum(mbs: list[MicroBatch], ctx: StepContext) -> torch.Tensor:

@@ -46,13 +46,15 @@ class VocabSubset:
         return mapped.clamp(min=0), valid & (mapped >= 0)
 
 
-def vocab_subset(token_lists, vocab_size: int, size: int) -> VocabSubset:
+def vocab_subset(token_lists, vocab_size: int, size: int, multiple: int = 1) -> VocabSubset:
     """Every token in `token_lists`, then the lowest ids until `size` tokens (or more, when the data
-    alone has more distinct tokens than `size`)."""
+    alone has more distinct tokens than `size`), rounded up to a multiple of `multiple` (16 in
+    training: float8 matmuls of the restricted lm_head need it, train.fp8_lm_head)."""
     seen = torch.zeros(vocab_size, dtype=torch.bool)
     for tokens in token_lists:
         seen[torch.as_tensor(list(tokens), dtype=torch.long)] = True
-    fill = max(0, size - int(seen.sum()))
+    wanted = min(vocab_size, -(-max(size, int(seen.sum())) // multiple) * multiple)
+    fill = max(0, wanted - int(seen.sum()))
     if fill:
         free = torch.nonzero(~seen).flatten()[:fill]
         seen[free] = True

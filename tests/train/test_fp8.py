@@ -248,3 +248,63 @@ def test_fp8_drafter_compiles_and_trains_on_the_gpu():
     torch.compile(drafter.fuse_context)(taps).float().pow(2).mean().backward()
     opt.step()
     assert isinstance(drafter.fc, Float8Linear) and not torch.equal(before, drafter.fc.weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# train.fp8_lm_head: the loss's frozen lm_head in float8
+
+
+def _head_problem(device, mix, compiled=False):
+    """Per-row losses and d loss / d hidden of one chunked loss, bf16 lm_head vs float8 lm_head, with
+    the float32 reference of the same bf16 inputs."""
+    from dflash_train.fp8 import float8_head
+    from dflash_train.train.loss import linear_softmax_loss
+
+    g = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(96, 64, generator=g) * 2).to(device, torch.bfloat16)
+    weight = (torch.randn(256, 64, generator=g) * 0.2).to(device, torch.bfloat16)
+    teacher = (torch.randn(96, 64, generator=g) * 2).to(device, torch.bfloat16)
+    labels = torch.randint(0, 256, (96,), generator=g).to(device)
+    out = {}
+    for name, fp8, w in (("exact", None, weight.float()), ("bf16", None, weight), ("fp8", float8_head(weight), weight)):
+        h = (hidden.float() if name == "exact" else hidden).clone().requires_grad_(True)
+        loss, _ = linear_softmax_loss(h, w, labels, teacher.to(w.dtype), chunk=40, mix=mix, fp8=fp8,
+                                      compiled=compiled and name != "exact")
+        loss.float().sum().backward()
+        out[name] = (loss.detach().float(), h.grad.float())
+    return out
+
+
+def _rel(a, b) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@pytest.mark.parametrize("kind", ["ce", "mix"])
+def test_float8_lm_head_loss_and_gradient_track_the_exact_ones(kind):
+    """Three chunks (40, 40, 16 rows): losses and hidden gradients within float8 rounding of the float32
+    reference, and visibly not the bf16 matmul (so the float8 path ran)."""
+    from dflash_train.train.loss import LossMix
+
+    mix = LossMix.from_config(apply_overrides(RunConfig(), [f"loss.kind={kind}"]).loss)
+    out = _head_problem(_numerics_device("tensorwise"), mix)
+    (exact_loss, exact_grad), (bf16_loss, bf16_grad), (fp8_loss, fp8_grad) = out["exact"], out["bf16"], out["fp8"]
+    assert _rel(bf16_loss, exact_loss) < 0.01 and _rel(bf16_grad, exact_grad) < 0.02
+    assert 0.002 < _rel(fp8_loss, exact_loss) < 0.05, _rel(fp8_loss, exact_loss)
+    assert _rel(fp8_grad, exact_grad) < 0.15 and _rel(fp8_grad, bf16_grad) > 2 * _rel(bf16_grad, exact_grad)
+
+
+def test_float8_lm_head_refuses_unaligned_shapes_and_needs_fp8_precision():
+    from dflash_train.fp8 import float8_head
+
+    with pytest.raises(ValueError, match=r"train.fp8_lm_head: the lm_head \(250, 64\) is not a multiple of 16"):
+        float8_head(torch.zeros(250, 64, dtype=torch.bfloat16))
+    problems = precision_problems(apply_overrides(RunConfig(), ["train.fp8_lm_head=true"]))
+    assert problems == ["train.fp8_lm_head=true: the lm_head runs in float8 only with train.precision=fp8"]
+
+
+@pytest.mark.skipif(NO_FP8_GPU is not None, reason=f"needs an FP8 GPU: {NO_FP8_GPU}")
+def test_float8_lm_head_compiled_equals_eager_on_the_gpu():
+    from dflash_train.train.loss import CE
+
+    eager, compiled = _head_problem("cuda", CE), _head_problem("cuda", CE, compiled=True)
+    assert _rel(compiled["fp8"][0], eager["fp8"][0]) < 0.01 and _rel(compiled["fp8"][1], eager["fp8"][1]) < 0.02

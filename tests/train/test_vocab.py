@@ -11,6 +11,8 @@ def test_subset_holds_every_data_token_then_the_lowest_ids():
     assert (vocab.index >= 0).sum() == 6
     # more distinct data tokens than `size`: all of them are kept
     assert vocab_subset([(3, 4, 5)], vocab_size=20, size=2).ids.tolist() == [3, 4, 5]
+    # rounded up to a multiple (training asks for 16: float8 lm_head matmuls), topped up by the lowest ids
+    assert vocab_subset([(3, 4, 5, 17)], vocab_size=40, size=2, multiple=8).ids.tolist() == [0, 1, 2, 3, 4, 5, 6, 17]
 
 
 def test_labels_outside_the_subset_leave_the_loss():
