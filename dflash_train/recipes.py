@@ -38,14 +38,16 @@ def default() -> RunConfig:
 def gpu() -> RunConfig:
     """The default's target on one GPU in about 9 minutes end to end: 15,000 prompts, half of them
     written by the target itself (data.train=synthesize), generated at batch 1024; a 6-layer drafter;
-    32 sequences per step in one micro-batch; the KL + CE mix; a 2.75-minute training budget; eval
+    32 sequences per step in one micro-batch; the KL + CE mix; a 3.5-minute training budget; eval
     on four domains.
 
-    Measured on one H200 (docs/LOG.md, session 8, one timed run of 551 s): 2356 steps, held-out
-    simulated tau 2.60; real tau assistant 1.94, chit-chat 2.93, HumanEval 1.69, self-written 2.45.
-    One micro-batch per step (not 32 passes of one sequence) made a step 8x faster; with the steps
-    no longer scarce, the drafter memorised 5000 samples (training batches 3.9 vs held-out 2.06), and
-    more data and layers were what moved tau (2 layers/5K 1.62/2.50 -> 4/10K 1.84/2.91 -> 6/15K)."""
+    Measured on one H200 (docs/LOG.md, session 10, one timed run of 514 s): synthesis 15 s and
+    regeneration 37 s through the fixed-shape CUDA-graph decoder, 2451 steps, held-out simulated tau
+    2.63; real tau assistant 1.91, chit-chat 2.95, HumanEval 1.71, self-written 2.45 (session 8 with
+    2.75 minutes: 2356 steps, 1.94 / 2.93 / 1.69 / 2.45). One micro-batch per step (not 32 passes of
+    one sequence) made a step 8x faster; with the steps no longer scarce, the drafter memorised 5000
+    samples (training batches 3.9 vs held-out 2.06), and more data and layers were what moved tau
+    (2 layers/5K 1.62/2.50 -> 4/10K 1.84/2.91 -> 6/15K)."""
     base = default()
     return replace(
         base,
@@ -53,7 +55,7 @@ def gpu() -> RunConfig:
         data=replace(base.data, train="default:0.5,synthesize:0.5", max_samples=15000, regen_batch_size=1024,
                      synth_batch_size=1024),
         loss=replace(base.loss, kind="mix", kl_weight=0.5),
-        train=replace(base.train, out_dir="runs/gpu", epochs=30, seqs_per_step=32, micro_batch=32, max_minutes=2.75,
+        train=replace(base.train, out_dir="runs/gpu", epochs=30, seqs_per_step=32, micro_batch=32, max_minutes=3.5,
                       eval_every=500, ckpt_every=500),
         eval=replace(base.eval, prompts="assistant,chitchat,humaneval,synthesized"),
     )
