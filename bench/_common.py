@@ -270,8 +270,6 @@ def add_precision_args(p) -> None:
                    help="fp8: linear layers in float8 through torchao (needs the fp8 extra and an sm89+ GPU)")
     p.add_argument("--fp8-recipe", choices=("tensorwise", "rowwise"), default=None,
                    help="float8 scaling (default: tensorwise for the drafter, rowwise for the target)")
-    p.add_argument("--fp8-lm-head", action="store_true",
-                   help="with --precision fp8: the loss's frozen lm_head matmuls in float8 too (train.fp8_lm_head)")
 
 
 def peaks(bench: Bench, device: torch.device, st: dict) -> None:

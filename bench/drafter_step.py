@@ -52,6 +52,8 @@ def parse(argv=None):
     p.add_argument("--master-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="bf16 weights + float32 masters in the optimizer (default: on for CUDA, as the trainer)")
     C.add_precision_args(p)
+    p.add_argument("--fp8-lm-head", action="store_true",
+                   help="with --precision fp8: the loss's frozen lm_head matmuls in float8 too (train.fp8_lm_head)")
     p.add_argument("--chunk-tokens", type=int, default=2048, help="lm_head/CE chunk rows (loss.chunk_tokens)")
     p.add_argument("--compile-loss", action=argparse.BooleanOptionalAction, default=None,
                    help="fuse the loss passes with torch.compile (default: as --compile)")
@@ -70,6 +72,8 @@ def parse(argv=None):
     a.steps = a.steps or (3 if a.small else 10)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.small else 3)
     a.fp8_recipe = a.fp8_recipe or "tensorwise"
+    if a.fp8_lm_head and a.precision != "fp8":
+        p.error("--fp8-lm-head needs --precision fp8 (as train.fp8_lm_head needs train.precision=fp8)")
     return a
 
 

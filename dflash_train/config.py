@@ -134,9 +134,10 @@ class LossConfig:
     chunk_tokens: int = 2048
     """Block tokens per lm_head + CE chunk; bounds the logits held at once."""
     train_vocab: int | None = None
-    """Training-only softmax over every token of the training data plus the lowest ids, this many
-    in all (train/vocab.py): the lm_head dominates a CPU step. None = the full vocabulary. Held-out
-    simulated tau, the real eval and inference always use the full lm_head."""
+    """Training softmax over every token of the training data plus the lowest ids, at least this many
+    (rounded up to a multiple of 16; train/vocab.py): the lm_head dominates a CPU step. None = the
+    full vocabulary. Held-out simulated tau uses the full lm_head; the export carries the ids as the
+    drafter's draft vocabulary (draft_vocab.json), which the real eval drafts over (eval.draft_vocab)."""
 
     @property
     def needs_target_hidden(self) -> bool:
@@ -187,10 +188,11 @@ class TrainConfig:
     fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     """Scaling of train.precision=fp8: one scale per tensor (faster) or per row (finer)."""
     fp8_lm_head: bool = False
-    """With train.precision=fp8, also the frozen lm_head's two matmuls in the loss (the logits, and the
-    gradient to the drafter's hidden state) in float8: the weight cast to e4m3 once per run, hidden
-    states e4m3 and gradient logits e5m2 with one dynamic scale per chunk. At the paper shapes the
-    lm_head is a quarter of a step's FLOPs."""
+    """With train.precision=fp8, also the frozen lm_head's matmuls in the loss (the logits, the
+    gradient to the drafter's hidden state, and with a teacher loss the teacher's logits) in float8,
+    tensorwise whatever train.fp8_recipe says: the weight cast to e4m3 once per run, hidden states
+    e4m3 and gradient logits e5m2 with one dynamic scale per chunk. At the paper shapes the lm_head
+    is a quarter of a step's FLOPs."""
     log_every: int = 10
     eval_every: int = 200
     ckpt_every: int = 500

@@ -132,18 +132,22 @@ def _required(cfg: RunConfig, key: str, what: str) -> list[str]:
     return [] if getattr(getattr(cfg, section), name) is not None else [f"{key} is not set: {what} ({key}=...)"]
 
 
-def _drafter_dir_problems(key: str, value: str | None) -> list[str]:
+def _drafter_dir_problems(key: str, value: str | None, draft_vocab: bool = False) -> list[str]:
+    """A z-lab drafter directory; with `draft_vocab`, its draft_vocab.json too (read by the eval)."""
     if value is None:
         return []
     config = Path(value).expanduser() / "config.json"
     if not config.is_file():
         return [f"{key}={value}: no config.json there: not a z-lab drafter directory (a training run's "
                 "`drafter/`, or a published DFlash drafter)"]
+    if not draft_vocab or not (config.parent / "draft_vocab.json").is_file():
+        return []
     from dflash_train.model.hf_format import load_draft_vocab  # local: torch is heavy for validation
 
     try:  # a malformed draft vocabulary fails here, not after the target has loaded
-        load_draft_vocab(config.parent, int(json.loads(config.read_text()).get("vocab_size") or 2**62))
-    except (ValueError, json.JSONDecodeError) as e:
+        vocab_size = json.loads(config.read_text()).get("vocab_size") or 2**62
+        load_draft_vocab(config.parent, int(vocab_size))
+    except (ValueError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
         return [f"{key}={value}: {e}"]
     return []
 
@@ -270,15 +274,17 @@ def precision_problems(cfg: RunConfig) -> list[str]:
     >= 8.9; checked here, before the target loads."""
     options = [key for key, value in (("train.precision", cfg.train.precision),
                                       ("target.precision", cfg.target.precision)) if value == "fp8"]
+    problems = []
     if cfg.train.fp8_lm_head and cfg.train.precision != "fp8":
-        return ["train.fp8_lm_head=true: the lm_head runs in float8 only with train.precision=fp8"]
+        problems.append("train.fp8_lm_head=true: the lm_head runs in float8 only with train.precision=fp8")
     if not options:
-        return []
+        return problems
     # local: dflash_train.fp8 imports torch, which this module avoids (the doctor's parent runs it)
     from dflash_train.fp8 import fp8_problem
 
     problem = fp8_problem(None)  # the current CUDA device (the GPUs of one job are alike), else the CPU
-    return [f"{key}=fp8: {problem}; set {key}=bf16 to run without FP8" for key in options] if problem else []
+    return problems + ([f"{key}=fp8: {problem}; set {key}=bf16 to run without FP8" for key in options]
+                       if problem else [])
 
 
 def _run_input_problems(cfg: RunConfig) -> list[str]:
@@ -295,7 +301,8 @@ def _run_input_problems(cfg: RunConfig) -> list[str]:
 
 def validate_eval(cfg: RunConfig) -> None:
     _fail(config_problems(cfg) + _required(cfg, "eval.drafter", "the z-lab drafter directory to measure")
-          + _drafter_dir_problems("eval.drafter", cfg.eval.drafter) + target_problems(cfg)
+          + _drafter_dir_problems("eval.drafter", cfg.eval.drafter, draft_vocab=cfg.eval.draft_vocab == "auto")
+          + target_problems(cfg)
           + _prompt_set_problems(cfg.eval.prompts))
 
 
@@ -338,7 +345,7 @@ def validate_check(cfg: RunConfig) -> None:
 def validate_export(cfg: RunConfig) -> None:
     problems = config_problems(cfg) + _required(cfg, "export.drafter", "the z-lab drafter directory to export")
     problems += _required(cfg, "export.out", "the output directory")
-    problems += _drafter_dir_problems("export.drafter", cfg.export.drafter)
+    problems += _drafter_dir_problems("export.drafter", cfg.export.drafter, draft_vocab=cfg.export.format == "zlab")
     if cfg.export.format == "speculators":  # stores the target's embedding and lm_head
         problems += target_problems(cfg)
     _fail(problems)

@@ -29,6 +29,8 @@ def test_tiny_recipe_runs_end_to_end_on_smollm2(tmp_path):
     # the training softmax's tokens (loss.train_vocab) travel with the export; the eval drafts over them
     vocab = json.loads((out / "drafter" / "draft_vocab.json").read_text())["ids"]
     assert len(vocab) == report["draft_vocab"] >= 4096 and vocab == sorted(vocab)
+    for checkpoint in (out / "checkpoints").glob("step_*"):  # so that a checkpoint exports the same
+        assert json.loads((checkpoint / "drafter" / "draft_vocab.json").read_text())["ids"] == vocab
     for figures in report["sets"].values():  # greedy on a float32 target: speculation must be lossless
         assert figures["num_prompts"] == 2 and figures["identical_outputs"] == 2, figures
         assert 1.0 <= figures["sim_tau"] <= config["block_size"], figures  # the train/serve check ran

@@ -42,17 +42,17 @@ def run(cfg) -> str:
     sets = load_prompt_sets(e.prompts, e.num_prompts, context)
     print("eval: " + ", ".join(f"{n}: {len(p)} prompts" for n, p in sets.items())
           + f"; max {e.max_new_tokens} new tokens, temperature {e.temperature}", flush=True)
+    vocab = eval_draft_vocab(e, e.drafter, drafter)
     report = evaluate(drafter, target, sets, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                       thinking=cfg.data.thinking, block_size=e.block_size, seed=cfg.train.seed, out_dir=e.out_dir,
-                      progress=e.progress, simulate=_simulator(cfg, drafter, target),
-                      draft_vocab=eval_draft_vocab(e, e.drafter, drafter))
+                      progress=e.progress, simulate=_simulator(cfg, drafter, target, vocab), draft_vocab=vocab)
     _print_report(report, e.temperature)
     overall = report["overall"]
     return (f"tau={overall['tau']:.3f} speedup={overall['speedup']:.2f}x ({overall['num_prompts']} prompts, "
             f"{overall['spec_tokens']} tokens)")
 
 
-def _simulator(cfg, drafter, target):
+def _simulator(cfg, drafter, target, draft_vocab):
     """The train/serve check beside each set's real tau: the simulated tau (the decode walk, and per
     anchor; the drafter's own block size) on the very text the set decoded. None when `eval.block_size`
     decodes with another block size than the drafter was trained for (the two would not compare)."""
@@ -71,7 +71,7 @@ def _simulator(cfg, drafter, target):
                       drafter=dcfg, gamma=derived_gamma(dcfg.block_size, cfg.loss.gamma),
                       chunk_tokens=cfg.loss.chunk_tokens, backend="sdpa", device=target.device,
                       autocast_dtype=torch.bfloat16 if target.device.type == "cuda" else None)
-    return simulator(drafter, target, ctx)
+    return simulator(drafter, target, ctx, draft_vocab)
 
 
 def _print_report(report: dict, temperature: float) -> None:

@@ -225,9 +225,10 @@ class DraftHead:
 
     weight: torch.Tensor
     """[V', H] rows scored (the whole lm_head when `ids` is None)."""
-    ids: torch.Tensor | None = None
+    ids: torch.Tensor | None
     """[V'] token id of each row; None: row i is token i."""
-    vocab_size: int = 0
+    vocab_size: int
+    """V, the width of the logits returned."""
 
     @classmethod
     def of(cls, lm_head_weight: torch.Tensor, ids: torch.Tensor | None = None) -> "DraftHead":
@@ -334,6 +335,8 @@ def speculative_generate(target_model, drafter: DFlashDrafter, embed_weight: tor
     """DFlash speculative decoding of one prompt [1, P] (see the module docstring for the rules);
     `lm_head_weight` may be a ready `DraftHead`, else `draft_vocab` ([V'] ids) restricts the drafts."""
     block_size = block_size or drafter.config.block_size
+    if isinstance(lm_head_weight, DraftHead) and draft_vocab is not None:
+        raise ValueError("speculative_generate: pass draft_vocab or a DraftHead, not both")
     head = lm_head_weight if isinstance(lm_head_weight, DraftHead) else DraftHead.of(lm_head_weight, draft_vocab)
     eos, device = set(int(e) for e in eos_ids), prompt_ids.device
     _sync(device)

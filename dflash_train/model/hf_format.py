@@ -223,8 +223,9 @@ def draft_vocab_file(ids: torch.Tensor | list[int]) -> dict:
 
 
 def load_draft_vocab(model_dir: str | Path, vocab_size: int) -> torch.Tensor | None:
-    """The draft vocabulary [V'] of a drafter directory, or None where it has none; a malformed file
-    is an error naming the file and the field."""
+    """The draft vocabulary [V'] of a drafter directory, or None where it has none or it holds every
+    token (drafting over all rows is the plain head); a malformed file is a ValueError naming the
+    file and the field."""
     path = Path(model_dir) / DRAFT_VOCAB
     if not path.is_file():
         return None
@@ -232,11 +233,14 @@ def load_draft_vocab(model_dir: str | Path, vocab_size: int) -> torch.Tensor | N
         ids = json.loads(path.read_text())["ids"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise ValueError(f"{path}: expected a JSON object with an 'ids' list of token ids ({type(e).__name__}: {e})")
-    bad = [i for i in ids if not isinstance(i, int) or not 0 <= i < vocab_size]
+    if not isinstance(ids, list):
+        raise ValueError(f"{path}: field 'ids' must be a list of token ids, not {type(ids).__name__}")
+    bad = [i for i in ids if type(i) is not int or not 0 <= i < vocab_size]  # bool is no token id
     if not ids or bad:
         raise ValueError(f"{path}: field 'ids' must list token ids in [0, {vocab_size}); "
                          f"{'it is empty' if not ids else f'bad entries: {bad[:5]}'}")
-    return torch.tensor(sorted(set(ids)), dtype=torch.long)
+    unique = sorted(set(ids))
+    return None if len(unique) == vocab_size else torch.tensor(unique, dtype=torch.long)
 
 
 def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, target_model: str | None = None,

@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dflash_train import atomic
-from dflash_train.model.hf_format import load_zlab, save_zlab
+from dflash_train.model.hf_format import DRAFT_VOCAB, draft_vocab_file, load_zlab, save_zlab
 from dflash_train.train.optim import full_precision_weights
 
 
@@ -84,10 +84,12 @@ class TrainProgress:
 
 class DrafterState:
     """Stateful: the drafter's float32 weights, i.e. the masters of a MasterWeightAdamW (its bf16
-    module weights are their rounding). Stored as a z-lab directory rather than in trainer.pt."""
+    module weights are their rounding). Stored as a z-lab directory rather than in trainer.pt, with
+    the draft vocabulary (`draft_vocab`, the ids of the training softmax) where there is one, so that
+    a checkpoint's `drafter/` exports and evaluates like the run's final one."""
 
-    def __init__(self, drafter, optimizer):
-        self.drafter, self.optimizer = drafter, optimizer
+    def __init__(self, drafter, optimizer, draft_vocab: torch.Tensor | None = None):
+        self.drafter, self.optimizer, self.draft_vocab = drafter, optimizer, draft_vocab
 
     def state_dict(self) -> dict:
         with full_precision_weights(self.optimizer):
@@ -98,8 +100,9 @@ class DrafterState:
             self.drafter.load_state_dict(state)
 
     def save(self, path: Path) -> None:
+        extra = {DRAFT_VOCAB: draft_vocab_file(self.draft_vocab)} if self.draft_vocab is not None else None
         with full_precision_weights(self.optimizer):
-            save_zlab(self.drafter, path, dtype=torch.float32)
+            save_zlab(self.drafter, path, dtype=torch.float32, extra_files=extra)
 
     def load(self, path: Path) -> None:
         loaded = load_zlab(path, device=next(self.drafter.parameters()).device, dtype=torch.float32)

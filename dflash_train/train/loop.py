@@ -24,7 +24,7 @@ from dflash_train.eval.evaluate import eval_draft_vocab, evaluate
 from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
 from dflash_train.eval.report import lossless_note
 from dflash_train.model.config import DrafterConfig
-from dflash_train.model.hf_format import export_drafter, load_zlab
+from dflash_train.model.hf_format import export_drafter, load_draft_vocab, load_zlab
 from dflash_train.model.target import load_target
 from dflash_train.train import balance, setup
 from dflash_train.train.balance import ComputeTimer
@@ -217,7 +217,9 @@ def _build_training(p: Process, s: Setup) -> Training:
     source = build_source(s.feed, p.topo, s.target, list(s.dcfg.target_layer_ids), p.device, s.total_steps,
                           s.data.stored)
     held_out = source.held_out()
-    progress, weights = TrainProgress(), DrafterState(drafter, optimizer)
+    ctx = _step_context(p, s)
+    draft_vocab = ctx.train_vocab.ids.cpu() if ctx.train_vocab is not None else None
+    progress, weights = TrainProgress(), DrafterState(drafter, optimizer, draft_vocab)
     states = {"train": progress, "optimizer": optimizer, "scheduler": scheduler, "data": source, "budget": budget,
               "rng": RNGState(), "health": BadStepGuard(p.topo.rank, cfg.train.max_bad_steps, p.log),
               "provenance": s.provenance}
@@ -227,7 +229,7 @@ def _build_training(p: Process, s: Setup) -> Training:
     model = parallelize(drafter, device=p.device, compile_model=s.compiled, dp_group=p.dp_group,
                         num_drafters=p.topo.num_drafters, param_dtype=param_dtype(optimizer),
                         precision=cfg.train.precision, fp8_recipe=cfg.train.fp8_recipe, log=p.log)
-    return Training(drafter, model, _step_context(p, s), source, held_out, progress, budget, weights, states)
+    return Training(drafter, model, ctx, source, held_out, progress, budget, weights, states)
 
 
 def _train_drafter(p: Process, s: Setup) -> dict:
@@ -242,8 +244,7 @@ def _train_drafter(p: Process, s: Setup) -> dict:
               "tokens": t.progress.tokens, "sim": last_sim, "interrupted": p.stop.signal, "out_dir": str(p.out_dir)}
     if topo.is_main:
         best = s.checkpointer.best() or s.checkpointer.latest()
-        vocab = t.ctx.train_vocab.ids.cpu() if t.ctx.train_vocab is not None else None
-        result["export"] = str(_export(best, p.out_dir, log, cfg.target, vocab))
+        result["export"] = str(_export(best, p.out_dir, log, cfg.target))
         result["checkpoint"] = str(best)
         if cfg.eval.num_prompts > 0 and topo.target_in_process and not p.stop():
             with p.watchdog.stage("real speculative decoding eval"):
@@ -403,11 +404,12 @@ def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log, he
     if cfg.target.precision == "fp8":
         log("eval: the target decodes in FP8 (target.precision=fp8): at batch 1 that is ~5x slower than bf16 "
             "on an H200 (dynamic activation scaling at every linear; docs/LOG.md, session 7)")
+    vocab = eval_draft_vocab(cfg.eval, drafter_dir, drafter, log)
     with torch.compiler.set_stance("force_eager"):  # decoding shapes change every step: no compiled layers
         report = evaluate(drafter, target, _eval_prompt_sets(cfg, target, out_dir), max_new_tokens=cfg.eval.max_new_tokens,
                           temperature=cfg.eval.temperature, thinking=cfg.data.thinking, seed=cfg.train.seed,
-                          out_dir=out_dir / "eval", heartbeat=heartbeat, simulate=simulator(drafter, target, ctx),
-                          draft_vocab=eval_draft_vocab(cfg.eval, drafter_dir, drafter, log))
+                          out_dir=out_dir / "eval", heartbeat=heartbeat,
+                          simulate=simulator(drafter, target, ctx, vocab), draft_vocab=vocab)
     for name, figures in report["sets"].items():
         log(f"eval [{name}]: tau {figures['tau']:.3f} (simulated on the same text {figures['sim_tau']:.3f}: "
             f"{figures['sim_tau'] / figures['tau'] - 1:+.0%}; per anchor {figures['sim_tau_anchors']:.3f}), "
@@ -452,12 +454,12 @@ def _agree_min(value: int, ctx: StepContext) -> int:
     return int(t.item())
 
 
-def _export(checkpoint: Path, out_dir: Path, log, target_cfg, draft_vocab: torch.Tensor | None) -> Path:
+def _export(checkpoint: Path, out_dir: Path, log, target_cfg) -> Path:
     """The serving artefact: the chosen checkpoint's drafter in bf16, z-lab format, checked, with the
-    ids of its training softmax (`loss.train_vocab`) as its draft vocabulary."""
+    checkpoint's draft vocabulary (the ids of its training softmax, `loss.train_vocab`) if it has one."""
     drafter = load_zlab(checkpoint / "drafter", device="cpu")  # weights only: no optimizer state read
     path = export_drafter(drafter, out_dir / "drafter", target_cfg.model, target_cfg.gguf_file, log=log,
-                          draft_vocab=draft_vocab)
+                          draft_vocab=load_draft_vocab(checkpoint / "drafter", drafter.config.vocab_size))
     log(f"exported z-lab drafter {path} (from {checkpoint.name})")
     return path
 

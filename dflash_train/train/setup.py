@@ -216,7 +216,7 @@ def train_vocab_of(cfg: RunConfig, samples: list[Sample], vocab_size: int, log):
         return None
     vocab = vocab_subset((s.input_ids for s in samples), vocab_size, cfg.loss.train_vocab, multiple=FP8_ALIGN)
     log(f"loss: training softmax over {vocab.ids.numel()} of {vocab_size} tokens (loss.train_vocab); "
-        "held-out and real eval use all of them")
+        "held-out simulated tau uses all of them; the export carries them as the draft vocabulary")
     return vocab
 
 

@@ -18,6 +18,7 @@ import dataclasses
 import torch
 
 from dflash_train.data.records import Sample
+from dflash_train.eval.spec_decode import DraftHead
 from dflash_train.train import setup
 from dflash_train.train.batching import to_device
 from dflash_train.train.loss import summarize
@@ -46,16 +47,17 @@ def simulated_tau(drafter, eval_mbs, ctx: StepContext) -> dict:
     return summarize(total) if total is not None else {"sim_tau": float("nan"), "acc": []}
 
 
-def anchor_acceptance(drafter, batch: dict, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+def anchor_acceptance(drafter, batch: dict, ctx: StepContext,
+                      draft_vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per anchor of a batch on the device: (draft tokens accepted greedily [b, N], whether the anchor
-    has a supervised token after it [b, N]); accepted = leading slots whose full-vocabulary argmax
-    equals the label."""
+    has a supervised token after it [b, N]); accepted = leading slots whose argmax equals the label,
+    over the full vocabulary or, as the decode loop drafts, over `draft_vocab` ([V'] ids)."""
     with autocast(ctx):
         hidden, labels, valid = drafter_hidden(drafter, batch, ctx)
     b, n, block = labels.shape
     rows = hidden.reshape(b * n * block, -1)  # [b*N*B, H]
-    lm_head = ctx.lm_head_weight
-    pred = torch.cat([(r.to(lm_head.dtype) @ lm_head.T).argmax(-1) for r in rows.split(ARGMAX_ROWS)])
+    head = DraftHead.of(ctx.lm_head_weight, draft_vocab)
+    pred = torch.cat([head(r).argmax(-1) for r in rows.split(ARGMAX_ROWS)])
     correct = (pred.view(b, n, block) == labels) & valid  # [b, N, B]; slot 0 (the anchor) never valid
     accepted = correct[:, :, 1:].int().cumprod(-1).sum(-1)  # [b, N]
     return accepted, valid[:, :, 1]
@@ -72,12 +74,12 @@ def accepted_walk(anchors: list[int], accepted: list[int], start: int) -> list[i
     return walk
 
 
-def simulated_walks(drafter, target, ctx: StepContext, sequences: list[tuple[list[int], list[int]]]
-                    ) -> tuple[list[list[int]], float]:
+def simulated_walks(drafter, target, ctx: StepContext, sequences: list[tuple[list[int], list[int]]],
+                    draft_vocab: torch.Tensor | None = None) -> tuple[list[list[int]], float]:
     """For (prompt ids, output ids) pairs: the decode walk of each (accepted counts per step), and the
     per-anchor tau over every eligible anchor of all of them. Taps come from the target's forward
     over the whole text, stopped after the last tapped layer (acceptance compares argmaxes with the
-    text: no final hidden state is needed)."""
+    text: no final hidden state is needed). `draft_vocab`: the ids the decode loop drafts over."""
     spec = taps_spec(drafter.config, target.dtype)
     eval_ctx, layer_ids = eval_context(ctx), list(drafter.config.target_layer_ids)
     walks, anchor_sum, anchor_count = [], 0, 0
@@ -91,7 +93,7 @@ def simulated_walks(drafter, target, ctx: StepContext, sequences: list[tuple[lis
             sample = Sample("sim", tuple(prompt + out), (0,) * len(prompt) + (1,) * len(out))
             (mb,) = setup.eval_batches([sample], len(sample), 1, len(sample), max_samples=1)  # every anchor
             mb.from_target = target_tensors(target, layer_ids, mb, ctx.device, spec)
-            accepted, has_label = anchor_acceptance(drafter, to_device(mb, ctx.device), eval_ctx)
+            accepted, has_label = anchor_acceptance(drafter, to_device(mb, ctx.device), eval_ctx, draft_vocab)
             kept = has_label[0]  # `valid` already holds `keep`
             anchors, counts = mb.anchors[0][kept.cpu()].tolist(), accepted[0][kept].tolist()
             walks.append(accepted_walk(anchors, counts, start=len(prompt)))
@@ -100,12 +102,13 @@ def simulated_walks(drafter, target, ctx: StepContext, sequences: list[tuple[lis
     return walks, (1 + anchor_sum / anchor_count) if anchor_count else float("nan")
 
 
-def simulator(drafter, target, ctx: StepContext):
+def simulator(drafter, target, ctx: StepContext, draft_vocab: torch.Tensor | None = None):
     """The eval's train/serve check: `simulate(pairs)` -> {"sim_tau": the decode walk's tau on that
-    text, "sim_tau_anchors": the per-anchor figure training reports}."""
+    text, "sim_tau_anchors": the per-anchor figure training reports}, drafting over `draft_vocab`
+    where the eval does."""
 
     def simulate(sequences: list[tuple[list[int], list[int]]]) -> dict:
-        walks, per_anchor = simulated_walks(drafter, target, ctx, sequences)
+        walks, per_anchor = simulated_walks(drafter, target, ctx, sequences, draft_vocab)
         steps = [a for walk in walks for a in walk]
         walk_tau = sum(a + 1 for a in steps) / len(steps) if steps else float("nan")
         return {"sim_tau": walk_tau, "sim_tau_anchors": per_anchor}

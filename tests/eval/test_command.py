@@ -115,6 +115,8 @@ def test_cli_eval_drafts_over_the_drafter_s_draft_vocabulary(tiny_qwen3_target, 
     rc = main(args + ["--out", str(tmp_path / "bad")])
     text = capsys.readouterr().out
     assert rc == 2 and "draft_vocab.json: field 'ids' must list token ids" in text and "target: loading" not in text
+    rc = main(args + ["--out", str(tmp_path / "bad"), "--draft-vocab", "full"])  # the way round a bad file
+    assert rc == 0, capsys.readouterr().out
 
 
 def test_cli_eval_default_prompt_sets(tiny_qwen3_target, tiny_qwen3_dir, tmp_path, capsys):

@@ -7,8 +7,8 @@ from transformers import Qwen3Config
 
 from dflash_train.model.config import drafter_config_from_target
 from dflash_train.model.drafter import DFlashDrafter
-from dflash_train.model.hf_format import (DRAFT_VOCAB, export_drafter, load_draft_vocab, load_zlab, save_speculators,
-                                          save_zlab, zlab_config_dict)
+from dflash_train.model.hf_format import (DRAFT_VOCAB, draft_vocab_file, export_drafter, load_draft_vocab, load_zlab,
+                                          save_speculators, save_zlab, zlab_config_dict)
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1e6, rms_norm_eps=1e-6,
@@ -111,10 +111,17 @@ def test_a_draft_vocabulary_travels_with_the_export_and_malformed_ones_are_named
     ids = torch.tensor([0, 3, 7, 49])
     out = export_drafter(drafter, tmp_path / "d", draft_vocab=ids, log=lambda m: None)
     assert torch.equal(load_draft_vocab(out, 50), ids)
-    assert load_zlab(out).config == drafter.config  # JSON: no loader mistakes it for weights
+    assert load_zlab(out).config == drafter.config  # JSON beside the weights: the loader reads *.safetensors
     assert load_draft_vocab(export_drafter(drafter, tmp_path / "plain", log=lambda m: None), 50) is None
     with pytest.raises(ValueError, match=r"draft_vocab.json: field 'ids' must list token ids in \[0, 40\)"):
         load_draft_vocab(out, 40)  # 49 is no token of a 40-token vocabulary
     (out / DRAFT_VOCAB).write_text('{"tokens": [1]}')
     with pytest.raises(ValueError, match="draft_vocab.json: expected a JSON object with an 'ids' list"):
         load_draft_vocab(out, 50)
+    for content, message in (('{"ids": 5}', "must be a list of token ids, not int"),
+                             ('{"ids": [1, true]}', r"bad entries: \[True\]")):
+        (out / DRAFT_VOCAB).write_text(content)
+        with pytest.raises(ValueError, match=message):
+            load_draft_vocab(out, 50)
+    (out / DRAFT_VOCAB).write_text(json.dumps(draft_vocab_file(range(50))))
+    assert load_draft_vocab(out, 50) is None  # every token: drafting over it is the plain head

@@ -48,23 +48,28 @@ def test_accepted_walk_by_hand():
     assert accepted_walk(anchors, accepted, start=20) == []
 
 
-@pytest.mark.parametrize("block_size", [3, 4])
-def test_walk_reproduces_real_speculative_decoding(block_size):
+WITHOUT_5 = torch.tensor([i for i in range(97) if i != 5])  # a draft vocabulary without a likely token
+
+
+@pytest.mark.parametrize("block_size,draft_vocab", [(3, None), (4, None), (4, WITHOUT_5)])
+def test_walk_reproduces_real_speculative_decoding(block_size, draft_vocab):
+    """Also with a draft vocabulary: the walk must draft over it as the loop does (over the full
+    head the walk would propose token 5 where the loop cannot)."""
     target = _peaked_target()
     drafter = _drafter(target, block_size)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 90, (1, n), generator=g) for n in (6, 9, 13)]
     real = [speculative_generate(target.model, drafter, target.embed_weight, target.lm_head_weight,
-                                 drafter.config.target_layer_ids, p, 40, []) for p in prompts]
+                                 drafter.config.target_layer_ids, p, 40, [], draft_vocab=draft_vocab) for p in prompts]
     steps = [a for r in real for a in r.accepted]
     assert len(set(steps)) >= 3, f"the test needs uneven acceptance, got {steps}"
     pairs = [(p[0].tolist(), r.tokens) for p, r in zip(prompts, real)]
-    walks, per_anchor = simulated_walks(drafter, target, _ctx(target, drafter), pairs)
+    walks, per_anchor = simulated_walks(drafter, target, _ctx(target, drafter), pairs, draft_vocab)
     for walk, r in zip(walks, real):
         # the last real step may have accepted drafts past the text's end, which the walk cannot see
         assert walk[:-1] == r.accepted[:-1] and len(walk) == len(r.accepted)
         assert walk[-1] <= r.accepted[-1]
-    figures = simulator(drafter, target, _ctx(target, drafter))(pairs)
+    figures = simulator(drafter, target, _ctx(target, drafter), draft_vocab)(pairs)
     walk_steps = [a for w in walks for a in w]
     assert figures["sim_tau"] == pytest.approx(sum(a + 1 for a in walk_steps) / len(walk_steps))
     assert figures["sim_tau_anchors"] == pytest.approx(per_anchor) and 1.0 <= per_anchor <= block_size
