@@ -36,7 +36,8 @@ def test_every_recipe_passes(name):
 
 
 @pytest.mark.parametrize("key", ["topology.mode", "train.attention", "train.compile", "target.dtype", "loss.kind",
-                                 "data.shard_format", "export.format", "export.dtype", "doctor.devices"])
+                                 "data.shard_format", "export.format", "export.dtype", "doctor.devices",
+                                 "eval.draft_vocab"])
 def test_enum_fields_take_only_their_allowed_values(key):
     fires(validate.validate_config, with_(RunConfig(), key, "bogus"), match=f"{key}='bogus': expected one of")
 

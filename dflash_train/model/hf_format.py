@@ -144,11 +144,15 @@ def _write_json(data: dict):
 
 
 def save_zlab(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
-              extra_files: dict | None = None, trained_against: dict | None = None) -> Path:
-    """Write config.json + model.safetensors (tensors cast to `dtype`), atomically."""
+              extra_files: dict | None = None, trained_against: dict | None = None,
+              draft_vocab: torch.Tensor | None = None) -> Path:
+    """Write config.json + model.safetensors (tensors cast to `dtype`), and DRAFT_VOCAB when
+    `draft_vocab` ids are given, atomically."""
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
     files = {"config.json": _write_json(zlab_config_dict(drafter.config, dtype, trained_against)),
              WEIGHTS: lambda p: save_file(tensors, str(p), metadata={"format": "pt"})}
+    if draft_vocab is not None:
+        files[DRAFT_VOCAB] = _write_json(draft_vocab_file(draft_vocab))
     for name, data in (extra_files or {}).items():
         files[name] = _write_json(data)
     return _write_dir(out_dir, files)
@@ -263,9 +267,8 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, target_model: st
             target = describe_target(target_model, gguf_file)
         except (FileNotFoundError, OSError, ValueError) as e:
             log(f"export: WARNING: the training target is not recorded and not checked: {e}")
-    extra = {DRAFT_VOCAB: draft_vocab_file(draft_vocab)} if draft_vocab is not None else None
-    path = save_zlab(drafter, out_dir, dtype=dtype, extra_files=extra,
-                     trained_against=target.provenance() if target else None)
+    path = save_zlab(drafter, out_dir, dtype=dtype, trained_against=target.provenance() if target else None,
+                     draft_vocab=draft_vocab)
     failures = check_drafter(path, target, trained=drafter)
     if failures:
         raise ServingContractError(path, failures)

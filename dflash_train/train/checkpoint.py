@@ -29,7 +29,7 @@ from safetensors import SafetensorError
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dflash_train import atomic
-from dflash_train.model.hf_format import DRAFT_VOCAB, draft_vocab_file, load_zlab, save_zlab
+from dflash_train.model.hf_format import load_zlab, save_zlab
 from dflash_train.train.optim import full_precision_weights
 
 
@@ -100,9 +100,8 @@ class DrafterState:
             self.drafter.load_state_dict(state)
 
     def save(self, path: Path) -> None:
-        extra = {DRAFT_VOCAB: draft_vocab_file(self.draft_vocab)} if self.draft_vocab is not None else None
         with full_precision_weights(self.optimizer):
-            save_zlab(self.drafter, path, dtype=torch.float32, extra_files=extra)
+            save_zlab(self.drafter, path, dtype=torch.float32, draft_vocab=self.draft_vocab)
 
     def load(self, path: Path) -> None:
         loaded = load_zlab(path, device=next(self.drafter.parameters()).device, dtype=torch.float32)

@@ -48,15 +48,15 @@ def simulated_tau(drafter, eval_mbs, ctx: StepContext) -> dict:
 
 
 def anchor_acceptance(drafter, batch: dict, ctx: StepContext,
-                      draft_vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      head: DraftHead | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per anchor of a batch on the device: (draft tokens accepted greedily [b, N], whether the anchor
     has a supervised token after it [b, N]); accepted = leading slots whose argmax equals the label,
-    over the full vocabulary or, as the decode loop drafts, over `draft_vocab` ([V'] ids)."""
+    over the full vocabulary or, as the decode loop drafts, over `head`'s draft vocabulary."""
     with autocast(ctx):
         hidden, labels, valid = drafter_hidden(drafter, batch, ctx)
     b, n, block = labels.shape
     rows = hidden.reshape(b * n * block, -1)  # [b*N*B, H]
-    head = DraftHead.of(ctx.lm_head_weight, draft_vocab)
+    head = head or DraftHead.of(ctx.lm_head_weight)
     pred = torch.cat([head(r).argmax(-1) for r in rows.split(ARGMAX_ROWS)])
     correct = (pred.view(b, n, block) == labels) & valid  # [b, N, B]; slot 0 (the anchor) never valid
     accepted = correct[:, :, 1:].int().cumprod(-1).sum(-1)  # [b, N]
@@ -83,6 +83,7 @@ def simulated_walks(drafter, target, ctx: StepContext, sequences: list[tuple[lis
     spec = taps_spec(drafter.config, target.dtype)
     eval_ctx, layer_ids = eval_context(ctx), list(drafter.config.target_layer_ids)
     walks, anchor_sum, anchor_count = [], 0, 0
+    head = DraftHead.of(ctx.lm_head_weight, draft_vocab)  # once: the subset's rows are a copy
     was_training = drafter.training
     drafter.eval()
     with torch.no_grad():
@@ -93,7 +94,7 @@ def simulated_walks(drafter, target, ctx: StepContext, sequences: list[tuple[lis
             sample = Sample("sim", tuple(prompt + out), (0,) * len(prompt) + (1,) * len(out))
             (mb,) = setup.eval_batches([sample], len(sample), 1, len(sample), max_samples=1)  # every anchor
             mb.from_target = target_tensors(target, layer_ids, mb, ctx.device, spec)
-            accepted, has_label = anchor_acceptance(drafter, to_device(mb, ctx.device), eval_ctx, draft_vocab)
+            accepted, has_label = anchor_acceptance(drafter, to_device(mb, ctx.device), eval_ctx, head)
             kept = has_label[0]  # `valid` already holds `keep`
             anchors, counts = mb.anchors[0][kept.cpu()].tolist(), accepted[0][kept].tolist()
             walks.append(accepted_walk(anchors, counts, start=len(prompt)))
