@@ -12,11 +12,23 @@ from dflash_train.train.step import clip_and_step
 
 def test_cosine_ends_at_the_recorded_budget_decision():
     assert lr_factor(0, 100, 0.1, 0.0) == pytest.approx(0.1)  # warm-up over 10% of the configured total
-    assert lr_factor(0, 100, 0.1, 0.0, steps=40) == pytest.approx(0.1)  # a decision leaves the warm-up alone
     assert lr_factor(55, 100, 0.1, 0.0) == pytest.approx(0.5)  # progress 0.5 of the configured steps
-    assert lr_factor(25, 100, 0.1, 0.0, steps=40) == pytest.approx(0.5)  # progress 0.5 of the decided steps
-    assert lr_factor(39, 100, 0.1, 0.1, steps=40) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(29 / 30 * math.pi)))
+    assert lr_factor(0, 100, 0.1, 0.0, steps=40) == pytest.approx(0.25)  # warm-up over 10% of the decided steps
+    assert lr_factor(22, 100, 0.1, 0.0, steps=40) == pytest.approx(0.5)  # progress 0.5 of the decided steps
+    assert lr_factor(39, 100, 0.1, 0.1, steps=40) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(35 / 36 * math.pi)))
     assert lr_factor(60, 100, 0.1, 0.1, steps=40) == pytest.approx(0.1)  # past the decision: the floor
+
+
+def test_warm_up_is_a_share_of_the_run_a_budget_decides():
+    """An epoch count that a budget cuts to 1/10 (the `gpu` recipe's case) warms up over 4 % of the
+    decided steps, not of the nominal ones; before the decision the nominal warm-up applies, so the
+    lr steps up once at the decision and rises monotonically through it."""
+    nominal, decided, at = 13_000, 1_300, 30
+    before = [lr_factor(s, nominal, 0.04, 0.0) for s in range(at)]
+    after = [lr_factor(s, nominal, 0.04, 0.0, steps=decided) for s in range(at, 200)]
+    assert after[52 - at - 1] == pytest.approx(1.0)  # warm-up ends at step 52 = 4 % of 1,300
+    assert all(a < b for a, b in zip(before, before[1:])) and before[-1] < after[0]
+    assert max(after) == pytest.approx(1.0) and after[-1] < 1.0  # then the cosine over the decided steps
 
 
 class FakeClock:
