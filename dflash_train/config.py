@@ -181,18 +181,21 @@ class TrainConfig:
     """auto (flex on CUDA, sdpa on CPU) | flex | sdpa | dense."""
     compile: Literal["auto", "on", "off"] = "auto"
     """auto (on CUDA) | on | off."""
-    precision: Literal["bf16", "fp8"] = "bf16"
-    """bf16: the drafter's matmuls in bf16 on CUDA (float32 on the CPU). fp8: its linear layers
-    (q/k/v/o, MLP, fc) in float8 through torchao float8 training (the `fp8` extra; a GPU of compute
-    capability >= 8.9); weights, optimizer and checkpoints are unchanged."""
+    precision: Literal["auto", "bf16", "fp8"] = "auto"
+    """auto: fp8 where it was measured faster at equal quality (a GPU of compute capability >= 8.9 with
+    torchao installed, a drafter at least `fp8.FP8_AUTO_MIN_WIDTH` wide), else bf16; the choice and why
+    are printed (`fp8.resolve_precision`). bf16: the drafter's matmuls in bf16 on CUDA (float32 on the
+    CPU). fp8: its linear layers (q/k/v/o, MLP, fc) in float8 through torchao float8 training (the `fp8`
+    extra; a GPU of compute capability >= 8.9); weights, optimizer and checkpoints are unchanged."""
     fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     """Scaling of train.precision=fp8: one scale per tensor (faster) or per row (finer)."""
-    fp8_lm_head: bool = False
-    """With train.precision=fp8, also the frozen lm_head's matmuls in the loss (the logits, the
+    fp8_lm_head: bool | None = None
+    """When the drafter trains in fp8, also the frozen lm_head's matmuls in the loss (the logits, the
     gradient to the drafter's hidden state, and with a teacher loss the teacher's logits) in float8,
     tensorwise whatever train.fp8_recipe says: the weight cast to e4m3 once per run, hidden states
     e4m3 and gradient logits e5m2 with one dynamic scale per chunk. At the paper shapes the lm_head
-    is a quarter of a step's FLOPs."""
+    is a quarter of a step's FLOPs. None: on with fp8 where the lm_head's shape allows (multiples of
+    16); true: on, and an unaligned lm_head is an error; false: off."""
     log_every: int = 10
     eval_every: int = 200
     ckpt_every: int = 500

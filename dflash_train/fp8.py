@@ -39,6 +39,35 @@ def fp8_problem(device: torch.device | str | None = None) -> str | None:
     return None
 
 
+FP8_AUTO_MIN_WIDTH = 4096
+"""train.precision=auto trains drafters at least this wide in fp8. Measured on one H200: at the paper
+shapes (width 4096) float8 linears and lm_head make the step 1.24x faster (27.1K vs 21.9K tok/s, one
+call, session 10); at SmolLM2's width 576 float8 is slower (0.78x-0.81x the steps per second,
+sessions 7 and 11: the casts cost more than the small matmuls save). Real tau at equal steps matched
+bf16 (session 11, docs/LOG.md). Widths in between are unmeasured and stay bf16."""
+
+
+def resolve_precision(setting: str, device: torch.device | str, width: int) -> tuple[str, str]:
+    """train.precision -> (bf16 | fp8, why), read once per run; `width` is the drafter's hidden size."""
+    if setting in ("bf16", "fp8"):
+        return setting, f"train.precision={setting}"
+    if setting != "auto":
+        raise ValueError(f"train.precision={setting!r}: expected auto, bf16 or fp8")
+    if torch.device(device).type != "cuda":
+        return "bf16", "auto: no float8 off CUDA"
+    return auto_precision(fp8_problem(device), width)
+
+
+def auto_precision(problem: str | None, width: int) -> tuple[str, str]:
+    """The rule of train.precision=auto: (bf16 | fp8, why), given why this machine cannot run float8
+    (`fp8_problem`, None if it can) and the drafter's width."""
+    if problem is not None:
+        return "bf16", f"auto: {problem}"
+    if width < FP8_AUTO_MIN_WIDTH:
+        return "bf16", f"auto: drafter width {width} < {FP8_AUTO_MIN_WIDTH}, where float8 casts cost more than they save"
+    return "fp8", f"auto: drafter width {width} >= {FP8_AUTO_MIN_WIDTH} on a float8 GPU"
+
+
 def require_fp8(device: torch.device | str | None, option: str) -> None:
     """Raise a RuntimeError naming `option` (e.g. `train.precision`) and how to turn FP8 off."""
     problem = fp8_problem(device)

@@ -23,6 +23,7 @@ from dflash_train.diagnostics.watchdog import Watchdog
 from dflash_train.eval.evaluate import eval_draft_vocab, evaluate
 from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
 from dflash_train.eval.report import lossless_note
+from dflash_train.fp8 import resolve_precision
 from dflash_train.model.config import DrafterConfig
 from dflash_train.model.hf_format import export_drafter, load_draft_vocab, load_zlab
 from dflash_train.model.target import load_target
@@ -79,6 +80,7 @@ class Setup:
     checkpointer: Checkpointer
     resume: tuple[str, dict] | None  # (checkpoint path, trainer state) when resuming
     provenance: Provenance  # what this run trains with; checked against the resume point's
+    precision: tuple[str, str]  # the drafter's matmuls, bf16 | fp8, and why (fp8.resolve_precision)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +140,7 @@ def _prepare(p: Process) -> Setup:
                                p.watchdog.beat)
     backend = resolve_backend(cfg.train.attention, p.device)
     compiled = resolve_compile(cfg.train.compile, p.device)
+    precision = resolve_precision(cfg.train.precision, p.device, dcfg.hidden_size)
     if compiled and data.stored is None and topo.runs_target_forward:
         target.compile_layers()  # the target computes taps every step: fuse its elementwise work
     pad_multiple = cfg.data.max_len if compiled else PAD_MULTIPLE
@@ -151,7 +154,7 @@ def _prepare(p: Process) -> Setup:
     prov = Provenance(fingerprints(cfg, target, dcfg, data.train), cfg.train.allow_changed, p.log)
     if resume is not None:  # before any state is loaded, on every rank: a mismatch stops them all
         prov.load_state_dict(resume[1].get("provenance", {}))
-    return Setup(target, dcfg, data, feed, total_steps, backend, compiled, checkpointer, resume, prov)
+    return Setup(target, dcfg, data, feed, total_steps, backend, compiled, checkpointer, resume, prov, precision)
 
 
 def _balance_due(p: Process, s: Setup, step: int) -> bool:
@@ -194,14 +197,21 @@ def _step_context(p: Process, s: Setup) -> StepContext:
                        device=p.device, autocast_dtype=torch.bfloat16 if p.device.type == "cuda" else None,
                        dp_group=p.dp_group, num_drafters=p.topo.num_drafters, compile_loss=s.compiled,
                        train_vocab=vocab, train_lm_head=loss_head if vocab is not None else None,
-                       loss=LossMix.from_config(p.cfg.loss), loss_head_fp8=_loss_head_fp8(p, loss_head))
+                       loss=LossMix.from_config(p.cfg.loss), loss_head_fp8=_loss_head_fp8(p, s, loss_head))
 
 
-def _loss_head_fp8(p: Process, loss_head: torch.Tensor):
+def _loss_head_fp8(p: Process, s: Setup, loss_head: torch.Tensor):
     """The loss's lm_head in float8 (train.fp8_lm_head), cast once: the weight is frozen."""
-    if not p.cfg.train.fp8_lm_head:
+    asked = p.cfg.train.fp8_lm_head
+    if s.precision[0] != "fp8" or asked is False:
+        if asked:
+            p.log(f"fp8: train.fp8_lm_head=true unused: the drafter trains in {s.precision[0]} ({s.precision[1]})")
         return None
-    from dflash_train.fp8 import float8_head
+    from dflash_train.fp8 import FP8_ALIGN, float8_head
+
+    if asked is None and any(n % FP8_ALIGN for n in loss_head.shape):
+        p.log(f"fp8: lm_head {tuple(loss_head.shape)} stays bf16 in the loss (not a multiple of {FP8_ALIGN})")
+        return None
 
     p.log(f"fp8: lm_head {tuple(loss_head.shape)} in float8 in the loss (e4m3 weight, cast once; dynamic scales)")
     return float8_head(loss_head)
@@ -228,7 +238,7 @@ def _build_training(p: Process, s: Setup) -> Training:
         p.log(f"resumed from {s.resume[0]} at step {progress.step}")
     model = parallelize(drafter, device=p.device, compile_model=s.compiled, dp_group=p.dp_group,
                         num_drafters=p.topo.num_drafters, param_dtype=param_dtype(optimizer),
-                        precision=cfg.train.precision, fp8_recipe=cfg.train.fp8_recipe, log=p.log)
+                        precision=s.precision[0], fp8_recipe=cfg.train.fp8_recipe, log=p.log)
     return Training(drafter, model, ctx, source, held_out, progress, budget, weights, states)
 
 
@@ -238,7 +248,7 @@ def _train_drafter(p: Process, s: Setup) -> dict:
     t = _build_training(p, s)
     if topo.is_main:
         log(setup.describe(cfg, s.dcfg, topo, len(s.data.train), len(s.data.held_out), s.total_steps,
-                           s.feed.plan.accum, s.backend, s.compiled, s.feed.spec.bytes_per_token))
+                           s.feed.plan.accum, s.backend, s.compiled, s.feed.spec.bytes_per_token, s.precision))
     last_sim = _loop(p, s, t)
     result = {"role": "drafter", "steps": t.progress.step, "total_steps": s.total_steps,
               "tokens": t.progress.tokens, "sim": last_sim, "interrupted": p.stop.signal, "out_dir": str(p.out_dir)}

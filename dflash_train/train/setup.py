@@ -230,7 +230,7 @@ def total_steps_of(cfg: RunConfig, steps_per_epoch: int) -> int:
 
 
 def describe(cfg: RunConfig, dcfg: DrafterConfig, topo: Topology, n_train: int, n_eval: int, total: int,
-             accum: int, backend: str, compiled: bool, taps_bytes_per_token: int) -> str:
+             accum: int, backend: str, compiled: bool, taps_bytes_per_token: int, precision: tuple[str, str]) -> str:
     lines = [
         f"topology    {topo.describe()}",
         f"target      {cfg.target.model}: taps after layers {list(dcfg.target_layer_ids)} of {dcfg.num_target_layers}"
@@ -243,7 +243,7 @@ def describe(cfg: RunConfig, dcfg: DrafterConfig, topo: Topology, n_train: int, 
         f"schedule    {total} steps, lr {cfg.optim.lr} cosine, warm-up {cfg.optim.warmup_ratio:.0%}, clip "
         f"{cfg.optim.grad_clip}, gamma {gamma_of(cfg)}",
         f"kernels     attention={backend}, compile={'on' if compiled else 'off'}, precision drafter "
-        f"{cfg.train.precision}{f' ({cfg.train.fp8_recipe})' if cfg.train.precision == 'fp8' else ''}, "
+        f"{precision[0]}{f' {cfg.train.fp8_recipe}' if precision[0] == 'fp8' else ''} ({precision[1]}), "
         f"target {cfg.target.precision}",
     ]
     return "\n".join(lines)
