@@ -47,14 +47,17 @@ sessions 7 and 11: the casts cost more than the small matmuls save). Real tau at
 bf16 (session 11, docs/LOG.md). Widths in between are unmeasured and stay bf16."""
 
 
-def resolve_precision(setting: str, device: torch.device | str, width: int) -> tuple[str, str]:
-    """train.precision -> (bf16 | fp8, why), read once per run; `width` is the drafter's hidden size."""
+def resolve_precision(setting: str, device: torch.device | str, width: int, compiled: bool = True) -> tuple[str, str]:
+    """train.precision -> (bf16 | fp8, why), read once per run; `width` is the drafter's hidden size.
+    auto keeps bf16 for an uncompiled drafter: float8 pays only with its casts fused (measured compiled)."""
     if setting in ("bf16", "fp8"):
         return setting, f"train.precision={setting}"
     if setting != "auto":
         raise ValueError(f"train.precision={setting!r}: expected auto, bf16 or fp8")
     if torch.device(device).type != "cuda":
         return "bf16", "auto: no float8 off CUDA"
+    if not compiled:
+        return "bf16", "auto: float8 pays only compiled (train.compile=off)"
     return auto_precision(fp8_problem(device), width)
 
 

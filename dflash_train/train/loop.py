@@ -140,7 +140,7 @@ def _prepare(p: Process) -> Setup:
                                p.watchdog.beat)
     backend = resolve_backend(cfg.train.attention, p.device)
     compiled = resolve_compile(cfg.train.compile, p.device)
-    precision = resolve_precision(cfg.train.precision, p.device, dcfg.hidden_size)
+    precision = resolve_precision(cfg.train.precision, p.device, dcfg.hidden_size, compiled)
     if compiled and data.stored is None and topo.runs_target_forward:
         target.compile_layers()  # the target computes taps every step: fuse its elementwise work
     pad_multiple = cfg.data.max_len if compiled else PAD_MULTIPLE

@@ -312,6 +312,7 @@ def test_precision_auto_picks_fp8_only_where_measured_faster():
     assert RunConfig().train.precision == "auto" and RunConfig().train.fp8_lm_head is None
     assert resolve_precision("auto", "cpu", 4096) == ("bf16", "auto: no float8 off CUDA")
     assert resolve_precision("bf16", "cpu", 4096)[0] == "bf16" and resolve_precision("fp8", "cpu", 576)[0] == "fp8"
+    assert resolve_precision("auto", "cuda", 4096, compiled=False)[0] == "bf16"  # casts unfused: no gain measured
     assert auto_precision(None, FP8_AUTO_MIN_WIDTH) == ("fp8", f"auto: drafter width {FP8_AUTO_MIN_WIDTH} >= "
                                                                f"{FP8_AUTO_MIN_WIDTH} on a float8 GPU")
     assert auto_precision(None, 576)[0] == "bf16" and "width 576 <" in auto_precision(None, 576)[1]
