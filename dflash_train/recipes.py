@@ -20,7 +20,9 @@ def default() -> RunConfig:
     Sized by measurement on a 2-core CPU (docs/LOG.md, 2026-12-01): regeneration at batch 64
     (~87 new tok/s vs ~29 at batch 8); block 4 with 80 anchors and a training softmax over the
     data's ~3K tokens (the lm_head was ~88% of a step); a small initial logit scale; lr 6e-3 with
-    the cosine following the 10-minute budget."""
+    the cosine following the 10-minute budget (3e-3 and 1.2e-2 were worse at equal steps, session 11);
+    4 sequences per step, i.e. ~580 steps where 8 made 288 in the same 10 minutes (session 11: held-out
+    simulated tau 1.771 vs 1.65, real tau 1.43 / 1.96 vs 1.40-1.42 / 1.89-1.93; 1 layer instead of 2: no gain)."""
     base = RunConfig()
     return replace(
         base,
@@ -28,7 +30,7 @@ def default() -> RunConfig:
         data=replace(base.data, max_len=320, max_samples=300, regen_max_new_tokens=96, regen_batch_size=64,
                      eval_fraction=0.05),
         loss=replace(base.loss, train_vocab=4096),
-        train=replace(base.train, out_dir="runs/default", epochs=8, seqs_per_step=8, num_anchors=80,
+        train=replace(base.train, out_dir="runs/default", epochs=8, seqs_per_step=4, num_anchors=80,
                       max_minutes=10.0, log_every=5, eval_every=20, ckpt_every=20),
         optim=replace(base.optim, lr=6e-3),
         eval=replace(base.eval, num_prompts=8, max_new_tokens=64),
