@@ -293,32 +293,11 @@ def test_float8_lm_head_loss_and_gradient_track_the_exact_ones(kind):
     assert _rel(fp8_grad, exact_grad) < 0.15 and _rel(fp8_grad, bf16_grad) > 2 * _rel(bf16_grad, exact_grad)
 
 
-def test_float8_lm_head_refuses_unaligned_shapes_and_needs_an_fp8_drafter():
+def test_float8_lm_head_refuses_unaligned_shapes():
     from dflash_train.fp8 import float8_head
 
     with pytest.raises(ValueError, match=r"train.fp8_lm_head: the lm_head \(250, 64\) is not a multiple of 16"):
         float8_head(torch.zeros(250, 64, dtype=torch.bfloat16))
-    problems = precision_problems(apply_overrides(RunConfig(), ["train.precision=bf16", "train.fp8_lm_head=true"]))
-    assert problems == ["train.fp8_lm_head=true: the lm_head runs in float8 only when the drafter does "
-                        "(train.precision=fp8, or auto where it picks fp8)"]
-    assert precision_problems(apply_overrides(RunConfig(), ["train.fp8_lm_head=true"])) == []  # auto may pick fp8
-
-
-def test_precision_auto_picks_fp8_only_where_measured_faster():
-    """train.precision=auto: bf16 off CUDA, on a GPU without float8 and for narrow drafters (SmolLM2's
-    576: float8 measured slower); fp8 from FP8_AUTO_MIN_WIDTH up on a float8 GPU; explicit settings win."""
-    from dflash_train.fp8 import FP8_AUTO_MIN_WIDTH, auto_precision, resolve_precision
-
-    assert RunConfig().train.precision == "auto" and RunConfig().train.fp8_lm_head is None
-    assert resolve_precision("auto", "cpu", 4096) == ("bf16", "auto: no float8 off CUDA")
-    assert resolve_precision("bf16", "cpu", 4096)[0] == "bf16" and resolve_precision("fp8", "cpu", 576)[0] == "fp8"
-    assert resolve_precision("auto", "cuda", 4096, compiled=False)[0] == "bf16"  # casts unfused: no gain measured
-    assert auto_precision(None, FP8_AUTO_MIN_WIDTH) == ("fp8", f"auto: drafter width {FP8_AUTO_MIN_WIDTH} >= "
-                                                               f"{FP8_AUTO_MIN_WIDTH} on a float8 GPU")
-    assert auto_precision(None, 576)[0] == "bf16" and "width 576 <" in auto_precision(None, 576)[1]
-    assert auto_precision("torchao is not installed", 8192) == ("bf16", "auto: torchao is not installed")
-    with pytest.raises(ValueError, match="train.precision='fp16': expected auto, bf16 or fp8"):
-        resolve_precision("fp16", "cpu", 4096)
 
 
 @pytest.mark.skipif(NO_FP8_GPU is not None, reason=f"needs an FP8 GPU: {NO_FP8_GPU}")
