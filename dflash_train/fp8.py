@@ -78,10 +78,14 @@ def require_fp8(device: torch.device | str | None, option: str) -> None:
         raise RuntimeError(f"{option}=fp8: {problem}; set {option}=bf16 to run without FP8")
 
 
+def fp8_aligned(*dims: int) -> bool:
+    """Every dimension a multiple of FP8_ALIGN: what float8 matmuls accept."""
+    return all(d % FP8_ALIGN == 0 for d in dims)
+
+
 def fp8_fits(module: nn.Module, fqn: str = "") -> bool:
     """A linear layer whose in and out features are multiples of 16 (torchao's module filter)."""
-    return (isinstance(module, nn.Linear) and module.in_features % FP8_ALIGN == 0
-            and module.out_features % FP8_ALIGN == 0)
+    return isinstance(module, nn.Linear) and fp8_aligned(module.in_features, module.out_features)
 
 
 def split_linears(root: nn.Module) -> tuple[list[str], list[str]]:
@@ -121,7 +125,7 @@ def float8_head(weight: torch.Tensor) -> Float8Head:
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
     from torchao.float8.float8_training_tensor import GemmInputRole
 
-    if any(d % FP8_ALIGN for d in weight.shape):
+    if not fp8_aligned(*weight.shape):
         raise ValueError(f"train.fp8_lm_head: the lm_head {tuple(weight.shape)} is not a multiple of {FP8_ALIGN} "
                          "in both dims (float8 matmuls need it); set train.fp8_lm_head=false")
     w = weight.detach()

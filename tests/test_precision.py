@@ -33,3 +33,10 @@ def test_float8_lm_head_needs_a_drafter_that_may_train_in_fp8():
                         "(train.precision=fp8, or auto where it picks fp8)"]
     assert precision_problems(apply_overrides(RunConfig(), ["train.fp8_lm_head=true"])) == []  # auto may pick fp8
     assert precision_problems(RunConfig()) == []  # the default (auto) is never refused
+
+
+def test_fp8_alignment_rule():
+    from dflash_train.fp8 import fp8_aligned
+
+    assert fp8_aligned(49152, 576) and fp8_aligned(4096)
+    assert not fp8_aligned(250, 64) and not fp8_aligned(4096, 4104)

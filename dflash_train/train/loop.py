@@ -207,9 +207,9 @@ def _loss_head_fp8(p: Process, s: Setup, loss_head: torch.Tensor):
         if asked:
             p.log(f"fp8: train.fp8_lm_head=true unused: the drafter trains in {s.precision[0]} ({s.precision[1]})")
         return None
-    from dflash_train.fp8 import FP8_ALIGN, float8_head
+    from dflash_train.fp8 import FP8_ALIGN, float8_head, fp8_aligned
 
-    if asked is None and any(n % FP8_ALIGN for n in loss_head.shape):
+    if asked is None and not fp8_aligned(*loss_head.shape):
         p.log(f"fp8: lm_head {tuple(loss_head.shape)} stays bf16 in the loss (not a multiple of {FP8_ALIGN})")
         return None
 
