@@ -54,6 +54,8 @@ def parse(argv=None):
     C.add_precision_args(p)
     p.add_argument("--fp8-lm-head", action="store_true",
                    help="with --precision fp8: the loss's frozen lm_head matmuls in float8 too (train.fp8_lm_head)")
+    p.add_argument("--fp8-filter", choices=("auto", "all"), default="auto",
+                   help="with --precision fp8: which linears convert (train.fp8_filter: auto = torchao's size rule)")
     p.add_argument("--chunk-tokens", type=int, default=2048, help="lm_head/CE chunk rows (loss.chunk_tokens)")
     p.add_argument("--compile-loss", action=argparse.BooleanOptionalAction, default=None,
                    help="fuse the loss passes with torch.compile (default: as --compile)")
@@ -94,7 +96,8 @@ def main(argv=None) -> int:
     S, N, B, rows = a.seq_len, a.anchors, a.block_size, a.batch
     b.info.update(device=str(device), backend=backend, compiled=compiled, seq_len=S, anchors=N, block_size=B,
                   layers=a.layers, batch=rows, chunk_tokens=a.chunk_tokens, precision=a.precision,
-                  fp8_recipe=a.fp8_recipe if a.precision == "fp8" else None)
+                  fp8_recipe=a.fp8_recipe if a.precision == "fp8" else None,
+                  fp8_filter=a.fp8_filter if a.precision == "fp8" else None)
     b.log(f"device {device}, attention {backend}, compile {compiled}, S={S} N={N} B={B} layers={a.layers} "
           f"batch={rows}, precision {a.precision}{f' ({a.fp8_recipe})' if a.precision == 'fp8' else ''}, {a.warmup} warm-up + {a.steps} timed steps")
     st: dict = {}
@@ -216,7 +219,7 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
     b.info["master_weights"] = type(optimizer).__name__ != "AdamW"
     model = parallelize(drafter, device=device, compile_model=compiled, dp_group=None, num_drafters=1,
                         param_dtype=param_dtype(optimizer), compile_mode=a.compile_mode, precision=a.precision,
-                        fp8_recipe=a.fp8_recipe, log=b.log)
+                        fp8_recipe=a.fp8_recipe, fp8_filter=a.fp8_filter, log=b.log)
     b.info["compile_mode"] = a.compile_mode
     flops = C.flops_for(tcfg, dcfg, seq_len=S, num_anchors=N, batch=rows, mean_ctx=C.mean_context(mb))
     params = sum(p.numel() for p in drafter.parameters())

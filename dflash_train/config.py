@@ -189,6 +189,10 @@ class TrainConfig:
     extra; a GPU of compute capability >= 8.9); weights, optimizer and checkpoints are unchanged."""
     fp8_recipe: Literal["tensorwise", "rowwise"] = "tensorwise"
     """Scaling of train.precision=fp8: one scale per tensor (faster) or per row (finer)."""
+    fp8_filter: Literal["auto", "all"] = "auto"
+    """Which linear layers train.precision=fp8 converts: auto: those torchao's size rule expects float8
+    to speed up (tensorwise: not K <= 4096 with N <= 1024, e.g. GQA k/v projections); all: every linear
+    whose dims are multiples of 16. The line `fp8: drafter: ...` lists what stayed bf16 and why."""
     fp8_lm_head: bool | None = None
     """When the drafter trains in fp8, also the frozen lm_head's matmuls in the loss (the logits, the
     gradient to the drafter's hidden state, and with a teacher loss the teacher's logits) in float8,

@@ -9,6 +9,7 @@ Hopper or newer), whose tensor cores run e4m3/e5m2 matmuls at twice the bf16 rat
 from __future__ import annotations
 
 import importlib.util
+from collections import Counter
 from typing import NamedTuple
 
 import torch
@@ -88,19 +89,43 @@ def fp8_fits(module: nn.Module, fqn: str = "") -> bool:
     return isinstance(module, nn.Linear) and fp8_aligned(module.in_features, module.out_features)
 
 
-def split_linears(root: nn.Module) -> tuple[list[str], list[str]]:
-    """(names of the linear layers FP8 can take, names of those it cannot) under `root`."""
+FP8_FILTERS = ("auto", "all")
+
+
+def fp8_module_filter(recipe: str, which: str = "auto"):
+    """The (module, fqn) -> bool filter of the linear layers that run in float8 (train.fp8_filter).
+    all: every linear whose dims are multiples of 16. auto: torchao's size rule for the recipe on top
+    (`torchao.float8._auto_filter_for_recipe`, from its H100 tables: tensorwise keeps K <= 4096 with
+    N <= 1024 in bf16, e.g. GQA k/v projections, whose casts cost more than their float8 matmul saves)."""
+    if which == "all":
+        return fp8_fits
+    if which != "auto":
+        raise ValueError(f"train.fp8_filter={which!r}: expected one of {', '.join(FP8_FILTERS)}")
+    try:  # optional dependency, imported only when FP8 is asked for
+        from torchao.float8 import _auto_filter_for_recipe
+    except ImportError as e:
+        raise RuntimeError(f"train.fp8_filter=auto needs torchao's size rule (torchao>=0.12): {e}; "
+                           "upgrade torchao or set train.fp8_filter=all") from e
+    return _auto_filter_for_recipe(recipe, filter_fqns=[])
+
+
+def split_linears(root: nn.Module, keep=fp8_fits) -> tuple[list[str], list[str]]:
+    """(names of the linear layers `keep` sends to FP8, names of the other linear layers) under `root`."""
     linears = [(name, m) for name, m in root.named_modules() if isinstance(m, nn.Linear)]
-    return [n for n, m in linears if fp8_fits(m)], [n for n, m in linears if not fp8_fits(m)]
+    return [n for n, m in linears if keep(m, n)], [n for n, m in linears if not keep(m, n)]
 
 
 def describe_conversion(what: str, recipe: str, converted: list[str], skipped: list[str],
                         root: nn.Module) -> str:
-    """One line: which linear layers run in FP8, which stay bf16 (shape not divisible by 16)."""
+    """One line: how many linear layers run in FP8, and the shapes of those kept in bf16 and why."""
     line = f"fp8: {what}: {len(converted)} of {len(converted) + len(skipped)} linear layers in float8 ({recipe})"
-    if skipped:
-        shapes = {n: tuple(root.get_submodule(n).weight.shape) for n in skipped}
-        line += "; kept in bf16 (dims not multiples of 16): " + ", ".join(f"{n} {s}" for n, s in shapes.items())
+    reasons: dict[str, Counter] = {}
+    for name in skipped:
+        module = root.get_submodule(name)
+        why = "size rule" if fp8_fits(module) else "dims not multiples of 16"
+        reasons.setdefault(why, Counter())[tuple(module.weight.shape)] += 1
+    for why, shapes in reasons.items():
+        line += f"; kept in bf16 ({why}): " + ", ".join(f"{n} x {s}" for s, n in shapes.items())
     return line
 
 

@@ -40,3 +40,39 @@ def test_fp8_alignment_rule():
 
     assert fp8_aligned(49152, 576) and fp8_aligned(4096)
     assert not fp8_aligned(250, 64) and not fp8_aligned(4096, 4104)
+
+
+def test_fp8_filter_all_takes_every_aligned_linear_and_names_what_stays_bf16():
+    from torch import nn
+
+    from dflash_train.fp8 import describe_conversion, fp8_fits, fp8_module_filter, split_linears
+
+    root = nn.ModuleDict({"q": nn.Linear(32, 32), "k": nn.Linear(32, 16), "v": nn.Linear(32, 16), "odd": nn.Linear(30, 16)})
+    assert fp8_module_filter("tensorwise", "all") is fp8_fits
+    assert split_linears(root, fp8_fits) == (["q", "k", "v"], ["odd"])
+    wide_only = lambda m, n: fp8_fits(m) and m.out_features > 16  # noqa: E731 - a size rule in miniature
+    converted, skipped = split_linears(root, wide_only)
+    assert (converted, skipped) == (["q"], ["k", "v", "odd"])
+    assert describe_conversion("drafter", "tensorwise", converted, skipped, root) == (
+        "fp8: drafter: 1 of 4 linear layers in float8 (tensorwise); kept in bf16 (size rule): 2 x (16, 32); "
+        "kept in bf16 (dims not multiples of 16): 1 x (16, 30)")
+    with pytest.raises(ValueError, match="train.fp8_filter='some': expected one of auto, all"):
+        fp8_module_filter("tensorwise", "some")
+    with pytest.raises(ConfigError, match="expected one of auto, all"):
+        apply_overrides(RunConfig(), ["train.fp8_filter=some"])
+    assert RunConfig().train.fp8_filter == "auto"
+
+
+def test_fp8_filter_auto_is_torchaos_size_rule():
+    """auto keeps in bf16 what torchao's H100 tables say float8 slows down: at the paper shapes the GQA
+    k/v projections (K 4096, N 1024); q/o, the MLP and fc convert."""
+    pytest.importorskip("torchao.float8")
+    from torch import nn
+
+    from dflash_train.fp8 import fp8_module_filter
+
+    keep = fp8_module_filter("tensorwise", "auto")
+    shapes = {"q": (4096, 4096), "k": (4096, 1024), "gate": (4096, 12288), "down": (12288, 4096), "fc": (20480, 4096),
+              "odd": (4096, 1000)}
+    kept = {name for name, (k, n) in shapes.items() if keep(nn.Linear(k, n, device="meta"), name)}
+    assert kept == {"q", "gate", "down", "fc"}

@@ -238,7 +238,8 @@ def _build_training(p: Process, s: Setup) -> Training:
         p.log(f"resumed from {s.resume[0]} at step {progress.step}")
     model = parallelize(drafter, device=p.device, compile_model=s.compiled, dp_group=p.dp_group,
                         num_drafters=p.topo.num_drafters, param_dtype=param_dtype(optimizer),
-                        precision=s.precision[0], fp8_recipe=cfg.train.fp8_recipe, log=p.log)
+                        precision=s.precision[0], fp8_recipe=cfg.train.fp8_recipe,
+                        fp8_filter=cfg.train.fp8_filter, log=p.log)
     return Training(drafter, model, ctx, source, held_out, progress, budget, weights, states)
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from dflash_train.fp8 import describe_conversion, fp8_fits, require_fp8, split_linears
+from dflash_train.fp8 import describe_conversion, fp8_module_filter, require_fp8, split_linears
 
 PRECISIONS = ("bf16", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise")
@@ -59,7 +59,7 @@ def apply_precision(module: nn.Module, param_dtype: torch.dtype | None) -> None:
         p.data = p.data.to(param_dtype)
 
 
-def convert_to_fp8(drafter: nn.Module, recipe: str = "tensorwise") -> tuple[list[str], list[str]]:
+def convert_to_fp8(drafter: nn.Module, recipe: str = "tensorwise", which: str = "auto") -> tuple[list[str], list[str]]:
     """Swap the drafter's linear layers (decoder projections and fc; the frozen lm_head is not a
     module of the drafter) for torchao's Float8Linear, in place; returns (converted, skipped) names.
 
@@ -67,22 +67,23 @@ def convert_to_fp8(drafter: nn.Module, recipe: str = "tensorwise") -> tuple[list
     dtype and state_dict key): the optimizer built before keeps owning it, checkpoints and the
     z-lab export are unchanged. Each forward casts weight, input and (backward) output gradient to
     float8 with dynamic scales: one per tensor (`tensorwise`) or per row (`rowwise`). Layers whose
-    dimensions are not multiples of 16 stay as they are (float8 matmuls cannot take them)."""
+    dimensions are not multiples of 16 stay as they are (float8 matmuls cannot take them), and with
+    `which`=auto so do those too small for float8 to pay (`fp8.fp8_module_filter`)."""
     if recipe not in FP8_RECIPES:
         raise ValueError(f"train.fp8_recipe={recipe!r}: expected one of {', '.join(FP8_RECIPES)}")
     # optional dependency (the `fp8` extra), imported only when FP8 is asked for
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    converted, skipped = split_linears(drafter)
-    convert_to_float8_training(drafter, config=Float8LinearConfig.from_recipe_name(recipe),
-                               module_filter_fn=fp8_fits)
+    keep = fp8_module_filter(recipe, which)
+    converted, skipped = split_linears(drafter, keep)
+    convert_to_float8_training(drafter, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=keep)
     return converted, skipped
 
 
 def parallelize(drafter: nn.Module, *, device: torch.device, compile_model: bool, dp_group, num_drafters: int,
                 param_dtype: torch.dtype | None = None, recompile_limit: int = 16,
                 compile_mode: str | None = None, precision: str = "bf16", fp8_recipe: str = "tensorwise",
-                log=print) -> nn.Module:
+                fp8_filter: str = "auto", log=print) -> nn.Module:
     """Return the module the training step calls: parameters cast to `param_dtype` (None: as
     they are), linear layers in float8 if `precision` is fp8, DDP-wrapped if D > 1, then compiled
     (optional).
@@ -96,8 +97,8 @@ def parallelize(drafter: nn.Module, *, device: torch.device, compile_model: bool
     apply_precision(drafter, param_dtype)
     if precision == "fp8":
         require_fp8(device, "train.precision")
-        converted, skipped = convert_to_fp8(drafter, fp8_recipe)
-        log(describe_conversion("drafter", fp8_recipe, converted, skipped, drafter))
+        converted, skipped = convert_to_fp8(drafter, fp8_recipe, fp8_filter)
+        log(describe_conversion("drafter", f"{fp8_recipe}, filter {fp8_filter}", converted, skipped, drafter))
     model = drafter
     if num_drafters > 1:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, process_group=dp_group,

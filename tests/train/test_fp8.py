@@ -48,7 +48,7 @@ def test_conversion_swaps_every_linear_and_keeps_parameters_and_keys(recipe):
     drafter = _drafter()
     params = {name: p for name, p in drafter.named_parameters()}
     before = {k: (v.shape, v.dtype) for k, v in drafter.state_dict().items()}
-    converted, skipped = convert_to_fp8(drafter, recipe)
+    converted, skipped = convert_to_fp8(drafter, recipe, "all")
     assert sorted(converted) == sorted(LINEARS) and skipped == []
     assert all(isinstance(drafter.get_submodule(n), Float8Linear) for n in LINEARS)
     assert {k: (v.shape, v.dtype) for k, v in drafter.state_dict().items()} == before
@@ -59,10 +59,20 @@ def test_conversion_swaps_every_linear_and_keeps_parameters_and_keys(recipe):
 
 def test_layers_whose_dims_are_not_multiples_of_16_stay_and_are_reported():
     drafter = _drafter(intermediate=72)  # gate/up (64 -> 72) and down (72 -> 64) cannot run in float8
-    converted, skipped = convert_to_fp8(drafter, "tensorwise")
+    converted, skipped = convert_to_fp8(drafter, "tensorwise", "all")
     mlp = {f"layers.{i}.mlp.{p}" for i in range(2) for p in ("gate_proj", "up_proj", "down_proj")}
     assert set(skipped) == mlp and set(converted) == set(LINEARS) - mlp
     assert all(type(drafter.get_submodule(n)) is nn.Linear for n in mlp)
+
+
+def test_auto_filter_converts_what_it_reports_and_keeps_small_layers_as_they_are():
+    """train.fp8_filter=auto (the default): the layers torchao's size rule sends to float8 are the ones
+    converted and reported; a GQA k/v-shaped layer (K 4096, N 1024) stays an nn.Linear."""
+    root = nn.ModuleDict({"q": nn.Linear(4096, 4096, bias=False, device="meta"),
+                          "k": nn.Linear(4096, 1024, bias=False, device="meta")})
+    converted, skipped = convert_to_fp8(root, "tensorwise")
+    assert (converted, skipped) == (["q"], ["k"])
+    assert isinstance(root["q"], Float8Linear) and type(root["k"]) is nn.Linear
 
 
 def _float8_reference(x: torch.Tensor, w: torch.Tensor, rowwise: bool) -> torch.Tensor:
@@ -108,7 +118,7 @@ def test_float8_linear_matches_the_quantize_dequantize_reference(recipe):
     exact = x.float() @ linear.weight.detach().float().T
     reference = _float8_reference(x, linear.weight.detach(), rowwise=recipe == "rowwise")
     model = nn.Sequential(linear)
-    convert_to_fp8(model, recipe)
+    convert_to_fp8(model, recipe, "all")
     x.requires_grad_(True)
     out = model(x)
     float8_error = float((reference - exact).norm() / exact.norm())
@@ -127,7 +137,7 @@ def test_master_weight_optimizer_owns_the_float8_weights():
     reference = {n: p.detach().clone() for n, p in drafter.named_parameters()}
     opt = MasterWeightAdamW(drafter.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
     apply_precision(drafter, param_dtype(opt))  # what parallelize does first
-    convert_to_fp8(drafter, "tensorwise")
+    convert_to_fp8(drafter, "tensorwise", "all")
     taps = torch.randn(2, 32, 3 * 64, dtype=torch.bfloat16)
     ctx = drafter.fuse_context(taps)  # [2, 32, 64] through the float8 fc
     loss = sum(layer.mlp(layer.self_attn.o_proj(layer.self_attn.q_proj(ctx))).float().pow(2).mean()
@@ -147,7 +157,7 @@ def test_checkpoint_and_zlab_export_are_those_of_the_unconverted_drafter(tmp_pat
     plain, fp8 = _drafter(seed=3), _drafter(seed=3)
     opt = MasterWeightAdamW(fp8.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
     apply_precision(fp8, param_dtype(opt))
-    convert_to_fp8(fp8, "rowwise")
+    convert_to_fp8(fp8, "rowwise", "all")
     DrafterState(fp8, opt).save(tmp_path / "ckpt")  # float32 masters, as the checkpointer writes them
     save_zlab(plain, tmp_path / "plain", dtype=torch.float32)
     loaded, expected = load_zlab(tmp_path / "ckpt").state_dict(), load_zlab(tmp_path / "plain").state_dict()
@@ -161,7 +171,7 @@ def test_checkpoint_and_zlab_export_are_those_of_the_unconverted_drafter(tmp_pat
     fresh = _drafter(seed=4)  # resume: the saved weights load back into a converted drafter's masters
     opt2 = MasterWeightAdamW(fresh.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
     apply_precision(fresh, param_dtype(opt2))
-    convert_to_fp8(fresh, "rowwise")
+    convert_to_fp8(fresh, "rowwise", "all")
     DrafterState(fresh, opt2).load(tmp_path / "ckpt")
     for p, q in zip(fresh.parameters(), plain.parameters()):
         torch.testing.assert_close(opt2.state[p]["master"], q.detach(), rtol=0, atol=0)
@@ -241,8 +251,8 @@ def test_fp8_drafter_compiles_and_trains_on_the_gpu():
     opt = MasterWeightAdamW(drafter.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0, compiled=True)
     lines = []
     parallelize(drafter, device=torch.device("cuda"), compile_model=False, dp_group=None, num_drafters=1,
-                param_dtype=param_dtype(opt), precision="fp8", log=lines.append)
-    assert lines == [f"fp8: drafter: {len(LINEARS)} of {len(LINEARS)} linear layers in float8 (tensorwise)"]
+                param_dtype=param_dtype(opt), precision="fp8", fp8_filter="all", log=lines.append)
+    assert lines == [f"fp8: drafter: {len(LINEARS)} of {len(LINEARS)} linear layers in float8 (tensorwise, filter all)"]
     taps = torch.randn(2, 64, 3 * 64, device="cuda", dtype=torch.bfloat16)
     before = drafter.fc.weight.detach().clone()
     torch.compile(drafter.fuse_context)(taps).float().pow(2).mean().backward()
