@@ -356,7 +356,8 @@ def _held_out_and_checkpoint(p: Process, s: Setup, t: Training, metrics: Metrics
     cfg, progress = p.cfg, t.progress
     if not p.topo.is_main:
         return last_sim
-    if step % cfg.train.eval_every == 0 or final:
+    evaluated = step % cfg.train.eval_every == 0 or final
+    if evaluated:
         with p.watchdog.stage("held-out simulated tau"):
             last_sim = simulated_tau(t.drafter, t.held_out, t.ctx)
         metrics.log({"step": step, "seconds": round(t.budget.elapsed(), 1), "eval": last_sim})
@@ -364,7 +365,8 @@ def _held_out_and_checkpoint(p: Process, s: Setup, t: Training, metrics: Metrics
     if step % cfg.train.ckpt_every == 0 or final:
         with p.watchdog.stage("checkpoint"):
             progress.seconds = t.budget.elapsed()
-            path = s.checkpointer.save(step, t.weights, t.states, meta, sim_tau=last_sim["sim_tau"] if last_sim else None)
+            # only a figure measured on these weights may make this checkpoint `best`
+            path = s.checkpointer.save(step, t.weights, t.states, meta, sim_tau=last_sim["sim_tau"] if evaluated else None)
         metrics.write(f"step {step}: checkpoint {path}")
     return last_sim
 

@@ -9,6 +9,7 @@ Sensitivity, measured by hand (2026-12-01, scratch runs through `differences`): 
 (0.9, 0.95) -> (0.9, 0.96) moved 13 losses by up to 1.2e-4: 10x-30x the tolerance (RTOL 1e-5).
 """
 
+import json
 import os
 
 import pytest
@@ -49,6 +50,18 @@ def test_training_reproduces_the_golden_trajectory(target_dir, tmp_path):
     result = train(golden_config(target_dir, out))
     assert result["steps"] == STEPS and (out / "drafter" / "config.json").is_file()
     assert_matches_golden(trajectory(out, result))
+    assert_best_is_an_evaluated_checkpoint(out, result)
+
+
+def assert_best_is_an_evaluated_checkpoint(out, result: dict) -> None:
+    """A checkpoint carries the held-out tau of its own weights or none (step 12 is saved between the
+    evals of steps 8 and 16), so `best` can only point at an evaluated step."""
+    root = out / "checkpoints"
+    meta = {int(p.name.split("_")[1]): json.loads((p / "meta.json").read_text()) for p in root.glob("step_*")}
+    held_out = trajectory(out, result)["held_out"]
+    assert 12 in meta and all(meta[step]["sim_tau"] is None for step in meta if step != STEPS)
+    assert meta[STEPS]["sim_tau"] == pytest.approx(held_out[str(STEPS)]["sim_tau"])
+    assert (root / "best").resolve().name == f"step_{STEPS:08d}"
 
 
 def test_a_run_stopped_after_a_checkpoint_resumes_onto_the_golden_trajectory(target_dir, tmp_path, monkeypatch):
