@@ -104,8 +104,8 @@ def fp8_module_filter(recipe: str, which: str = "auto"):
     try:  # optional dependency, imported only when FP8 is asked for
         from torchao.float8 import _auto_filter_for_recipe
     except ImportError as e:
-        raise RuntimeError(f"train.fp8_filter=auto needs torchao's size rule (torchao>=0.12): {e}; "
-                           "upgrade torchao or set train.fp8_filter=all") from e
+        raise RuntimeError(f"train.fp8_filter=auto needs torchao's size rule (torchao.float8._auto_filter_for_recipe), "
+                           f"which this torchao lacks ({e}); upgrade torchao or set train.fp8_filter=all") from e
     return _auto_filter_for_recipe(recipe, filter_fqns=[])
 
 
