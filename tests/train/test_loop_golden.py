@@ -54,12 +54,12 @@ def test_training_reproduces_the_golden_trajectory(target_dir, tmp_path):
 
 
 def assert_best_is_an_evaluated_checkpoint(out, result: dict) -> None:
-    """A checkpoint carries the held-out tau of its own weights or none (step 12 is saved between the
-    evals of steps 8 and 16), so `best` can only point at an evaluated step."""
+    """A checkpoint carries the held-out tau of its own weights or none (step 2 * CKPT_EVERY = 12 is saved
+    between the evals of steps 8 and 16), so `best` can only point at an evaluated step."""
     root = out / "checkpoints"
     meta = {int(p.name.split("_")[1]): json.loads((p / "meta.json").read_text()) for p in root.glob("step_*")}
     held_out = trajectory(out, result)["held_out"]
-    assert 12 in meta and all(meta[step]["sim_tau"] is None for step in meta if step != STEPS)
+    assert 2 * CKPT_EVERY in meta and all(meta[step]["sim_tau"] is None for step in meta if step != STEPS)
     assert meta[STEPS]["sim_tau"] == pytest.approx(held_out[str(STEPS)]["sim_tau"])
     assert (root / "best").resolve().name == f"step_{STEPS:08d}"
 
