@@ -52,9 +52,16 @@ class DrafterConfigSpec:
     """Number of target layers tapped when `target.layer_ids` is not given."""
     mask_token_id: int | None = None
     """None resolves: tokenizer mask token, an unused embedding row, then a reserved special token."""
-    sliding_window: int | None = None
-    """When set, the first `num_layers - 1` layers are sliding_attention with this window
-    (causal inside the block); the last layer stays full attention."""
+    sliding_window: int | None = 2048
+    """Sliding-window attention over the target context, |q_pos - k_pos| < W (the 2026 drafters: window
+    2048, `is_causal: false`); None = full attention in every layer. A window of at least the
+    sequence length is exactly full attention (model/attention.py)."""
+    window_layers: Literal["all", "all_but_last"] = "all"
+    """Which layers the window applies to: all (the 2026 drafters) or all but the last (the published
+    Qwen3.6-27B DFlash drafter)."""
+    window_causal: bool = False
+    """Sliding-window layers causal inside the block (z-lab's older drafters); False keeps the block
+    bidirectional and exports `is_causal: false`, as the 2026 drafters are exported."""
     init_from_target: bool = True
     """Initialise the final norm (and so the logit scale) and the layers from the target's last
     layers where shapes allow; random init otherwise."""

@@ -76,6 +76,9 @@ def config_problems(cfg: RunConfig) -> list[str]:
     if cfg.drafter.block_size < 2:
         problems.append(f"drafter.block_size={cfg.drafter.block_size}: must be >= 2 (slot 0 is the anchor, "
                         "the drafter predicts slots 1..block_size-1)")
+    if cfg.drafter.sliding_window is not None and cfg.drafter.sliding_window < cfg.drafter.block_size:
+        problems.append(f"drafter.sliding_window={cfg.drafter.sliding_window}: must be >= drafter.block_size="
+                        f"{cfg.drafter.block_size} (a block's slots must see each other), or none for full attention")
     if cfg.eval.block_size is not None and cfg.eval.block_size < 2:
         problems.append(f"eval.block_size={cfg.eval.block_size}: must be >= 2")
     beta1, beta2 = cfg.optim.betas

@@ -10,16 +10,19 @@ Mask rules (a query may attend a key iff all that apply hold):
      is never available when drafting (the anchor is the token just verified), so training must
      not see it either.
   2. A block sees its own block and no other: (kv - S) // B == j.
-  3. Full-attention layers are bidirectional inside the block (every slot sees every slot).
-     Sliding-window layers are causal inside the block: (kv - S) % B <= o.
-  4. Sliding-window layers see context only inside the window ending at the query's position
-     a + o: kv >= a + o - (W - 1).
+  3. Layers are bidirectional inside the block (every slot sees every slot), unless causal:
+     causal sliding-window layers (`MaskSpec.causal`, z-lab's older drafters) see (kv - S) % B <= o.
+  4. Sliding-window layers see context only inside the window around the query's position
+     a + o: kv >= a + o - (W - 1), i.e. |q_pos - k_pos| < W (the per-row origin of SpecForge and
+     z-lab, not speculators' anchor - W). Inside the block |o - o'| < B <= W, so a non-causal
+     window (the 2026 drafters: `is_causal: false`) never hides a block key.
   5. A padded block (keep[b, j] False) sees only its own block, never context. Its slots carry no
      loss and no other query can see them, so this cannot change any result; it keeps every
      query row non-empty, which avoids NaN rows in SDPA and in the dense reference.
 
 Inference (spec 1.6): the B block queries see every cached context position and their own block;
 rules 3 and 4 apply unchanged to sliding-window layers, with the context cache in place of kv < a.
+With S <= W (every recipe on SmolLM2, max_len 320) a non-causal window changes nothing.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ class MaskSpec:
     block_size: int  # B
     num_anchors: int  # N
     sliding_window: int | None = None  # W for sliding_attention layers; None = full attention
+    causal: bool = False  # causal inside the block (rule 3)
 
     @property
     def q_len(self) -> int:
@@ -99,8 +103,9 @@ def mask_rule(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, b, q, k
     blk_index = torch.where(is_ctx, 0, kv - S)
     same_block = (~is_ctx) & (blk_index // B == block)
     ctx_ok = is_ctx & (kv < anchor) & kept
-    if spec.sliding_window is not None:
+    if spec.causal:
         same_block = same_block & (blk_index % B <= slot)
+    if spec.sliding_window is not None:
         ctx_ok = ctx_ok & (kv >= anchor + slot - (spec.sliding_window - 1))
     return ctx_ok | same_block
 
@@ -123,12 +128,12 @@ def flex_block_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, c
                     analytic: bool = True, persistent: PersistentMasks | None = None):
     """flex_attention BlockMask for the rules above, head-independent (H=None).
 
-    Full-attention masks are built by `analytic_block_mask` (exact tile classes from the anchors,
-    no compile). Otherwise `create_block_mask` evaluates `mask_rule`; `compiled=True` compiles it,
+    Built by `analytic_block_mask` (exact tile classes from the anchors, no compile) unless
+    `analytic=False`: then `create_block_mask` evaluates `mask_rule`; `compiled=True` compiles it,
     which never materialises the dense Q x KV grid (the uncompiled builder does: 7 GB at
     24K x 28K, speculators #731) but costs ~2.5 min of cold compile on an H200.
     """
-    if analytic and spec.sliding_window is None:
+    if analytic:
         return analytic_block_mask(spec, anchors, keep, persistent=persistent)
     def mask_mod(b, h, q, kv):
         return mask_rule(spec, anchors, keep, b, q, kv)
@@ -139,48 +144,57 @@ def flex_block_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, c
 
 
 def _query_intervals(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, rows: int
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Under full attention query q of block j sees two key intervals: context [0, ctx_end) with
-    ctx_end = a_j when kept, else 0 (rules 1, 5), and its own block [own, own + B) with
-    own = S + j*B (rules 2, 3). Returns ctx_end [batch, rows] and own [rows] (int32) for the first
-    `rows` queries; like mask_rule, rows past N*B (a tile's padding) count as the last block."""
+                     ) -> tuple[torch.Tensor, ...]:
+    """Query q of block j, slot o sees two key intervals: context [ctx_lo, ctx_hi) with ctx_hi = a_j
+    when kept, else 0 (rules 1, 5), and ctx_lo = a_j + o - (W - 1) under a window (rule 4), else 0;
+    and its own block [own_lo, own_hi) with own_lo = S + j*B, own_hi = own_lo + B, or own_lo + o + 1
+    when causal (rules 2, 3). Returns ctx_lo, ctx_hi [batch, rows] and own_lo, own_hi [rows] (int32)
+    for the first `rows` queries; like mask_rule, rows past N*B (a tile's padding) count as the
+    last block."""
     S, B = spec.context_len, spec.block_size
-    block = (torch.arange(rows, device=anchors.device) // B).clamp(max=spec.num_anchors - 1)  # [rows]
-    ctx_end = torch.where(keep, anchors.clamp(max=S), 0)[:, block]  # [b, rows]
-    return ctx_end.to(torch.int32), (S + block * B).to(torch.int32)
+    q = torch.arange(rows, device=anchors.device)
+    block = (q // B).clamp(max=spec.num_anchors - 1)  # [rows]
+    slot = q % B
+    ctx_hi = torch.where(keep, anchors.clamp(max=S), 0)[:, block]  # [b, rows]
+    ctx_lo = torch.zeros_like(ctx_hi)
+    if spec.sliding_window is not None:
+        ctx_lo = (anchors[:, block] + slot - (spec.sliding_window - 1)).clamp(min=0).minimum(ctx_hi)
+    own_lo = S + block * B
+    own_hi = own_lo + (slot + 1 if spec.causal else B)
+    return tuple(t.to(torch.int32) for t in (ctx_lo, ctx_hi, own_lo, own_hi))
 
 
-def _visible_per_tile(spec: MaskSpec, ctx_end: torch.Tensor, own: torch.Tensor, tile: int) -> torch.Tensor:
+def _visible_per_tile(spec: MaskSpec, intervals: tuple[torch.Tensor, ...], tile: int) -> torch.Tensor:
     """Visible (query, key) pairs per (query tile, key tile): [batch, Q tiles, KV tiles], the
     overlap of each query's two intervals (`_query_intervals`, padded to whole query tiles) with
     each key tile. [batch, Q, KV tiles] stays small (0.7M entries at the paper's shapes against
     92M for the dense grid). Keys past the end count as invisible, as in create_block_mask."""
-    q_tiles, kv_tiles = ctx_end.shape[1] // tile, -(-spec.kv_len // tile)
-    tile_lo = torch.arange(kv_tiles, device=ctx_end.device) * tile
+    ctx_lo, ctx_hi, own_lo, own_hi = intervals
+    q_tiles, kv_tiles = ctx_hi.shape[1] // tile, -(-spec.kv_len // tile)
+    tile_lo = torch.arange(kv_tiles, device=ctx_hi.device) * tile
     tile_hi = (tile_lo + tile).clamp(max=spec.kv_len)  # [T]
 
     def overlap(lo, hi):  # [b|1, Qp] intervals against every tile -> [b|1, Qp, T]
         return (torch.minimum(hi[..., None], tile_hi) - torch.maximum(lo[..., None], tile_lo)).clamp(min=0)
 
-    count = overlap(torch.zeros_like(ctx_end), ctx_end) + overlap(own[None], own[None] + spec.block_size)
+    count = overlap(ctx_lo, ctx_hi) + overlap(own_lo[None], own_hi[None])
     return count.view(count.shape[0], q_tiles, tile, kv_tiles).sum(2)  # [b, Q tiles, T]
 
 
 def analytic_block_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tensor, tile: int = 128,
                         persistent: PersistentMasks | None = None):
-    """The full-attention BlockMask straight from the anchors: a tile is full when every (query,
-    key) pair in it is visible, partial when some are (mask_mod decides per element), skipped
-    otherwise. Same tiles as `create_block_mask` (tests), with no compile and no dense grid.
+    """The BlockMask straight from the anchors: a tile is full when every (query, key) pair in it
+    is visible, partial when some are (mask_mod decides per element), skipped otherwise. Same
+    tiles as `create_block_mask` (tests), with no compile and no dense grid, for every layer type
+    (full, windowed, causal).
 
-    Its mask_mod tests the two key intervals of `_query_intervals` (two gathers, four compares)
+    Its mask_mod tests the two key intervals of `_query_intervals` (gathers and compares)
     instead of `mask_rule`: equal on every element (tests), 3 % faster fwd+bwd in the triton
     kernel, and free of the ops (clamp) that flex's CuteDSL backend cannot lower."""
-    if spec.sliding_window is not None:
-        raise ValueError("analytic_block_mask covers full attention; sliding windows use create_block_mask")
-    ctx_end, own = _query_intervals(spec, anchors, keep, -(-spec.q_len // tile) * tile)
+    intervals = _query_intervals(spec, anchors, keep, -(-spec.q_len // tile) * tile)
     if persistent is not None:
-        ctx_end, own = persistent.intervals((ctx_end, own))
-    count = _visible_per_tile(spec, ctx_end, own, tile)  # [b, Qt, T]
+        intervals = persistent.intervals(intervals)
+    count = _visible_per_tile(spec, intervals, tile)  # [b, Qt, T]
     full = count == tile * tile
     partial = (count > 0) & ~full
 
@@ -188,11 +202,10 @@ def analytic_block_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tenso
         order = torch.argsort((~selected).to(torch.int8), dim=-1, stable=True)  # selected tiles first
         return selected.sum(-1, dtype=torch.int32)[:, None], order.to(torch.int32)[:, None]
 
-    block_size = spec.block_size
+    ctx_lo, ctx_hi, own_lo, own_hi = intervals
 
     def mask_mod(b, h, q, kv):
-        lo = own[q]
-        return (kv < ctx_end[b, q]) | ((kv >= lo) & (kv < lo + block_size))
+        return ((kv >= ctx_lo[b, q]) & (kv < ctx_hi[b, q])) | ((kv >= own_lo[q]) & (kv < own_hi[q]))
 
     kv_num, kv_idx = listed(partial)
     full_num, full_idx = listed(full)
@@ -204,13 +217,15 @@ def analytic_block_mask(spec: MaskSpec, anchors: torch.Tensor, keep: torch.Tenso
 def build_training_masks(spec: MaskSpec, layer_types: tuple[str, ...], anchors: torch.Tensor,
                          keep: torch.Tensor, backend: str, compiled_builder: bool = True,
                          persistent: PersistentMasks | None = None) -> dict:
-    """One mask per layer type in use: {"full_attention": m, "sliding_attention": m}."""
+    """One mask per layer type in use: {"full_attention": m, "sliding_attention": m}; `spec`'s
+    window and causality describe the sliding layers (full layers: no window, bidirectional)."""
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r}: expected one of {BACKENDS}")
     masks = {}
     for layer_type in sorted(set(layer_types)):
-        window = spec.sliding_window if layer_type == SLIDING else None
-        typed = MaskSpec(spec.context_len, spec.block_size, spec.num_anchors, window)
+        sliding = layer_type == SLIDING
+        typed = MaskSpec(spec.context_len, spec.block_size, spec.num_anchors,
+                         spec.sliding_window if sliding else None, spec.causal and sliding)
         if backend == "flex":
             masks[layer_type] = flex_block_mask(typed, anchors, keep, compiled=compiled_builder, persistent=persistent)
         else:
@@ -218,20 +233,23 @@ def build_training_masks(spec: MaskSpec, layer_types: tuple[str, ...], anchors: 
     return masks
 
 
-def inference_mask(context_len: int, block_size: int, sliding_window: int | None,
-                   device: torch.device) -> torch.Tensor | None:
-    """Mask [1, 1, B, ctx+B] for one drafted block after `context_len` cached positions.
+def inference_mask(context_len: int, block_size: int, sliding_window: int | None, device: torch.device,
+                   causal: bool = False) -> torch.Tensor | None:
+    """Mask [1, 1, B, ctx+B] for one drafted block after `context_len` cached positions (rules 3, 4).
 
     Full attention needs none (every cached position and the whole block are visible). The block's
     first slot sits at position `context_len` (the anchor), so slot o is at context_len + o.
     """
-    if sliding_window is None:
+    if sliding_window is None and not causal:
         return None
     q = torch.arange(block_size, device=device)[:, None]
     kv = torch.arange(context_len + block_size, device=device)[None, :]
     pos_q = context_len + q
-    visible = kv <= pos_q  # causal inside the block, all earlier context
-    visible &= kv >= pos_q - (sliding_window - 1)
+    visible = torch.ones(block_size, context_len + block_size, dtype=torch.bool, device=device)
+    if causal:
+        visible &= kv <= pos_q
+    if sliding_window is not None:
+        visible &= kv >= pos_q - (sliding_window - 1)
     return visible[None, None]
 
 

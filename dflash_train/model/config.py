@@ -35,6 +35,9 @@ class DrafterConfig:
     layer_types: tuple[str, ...] = ()
     """Per layer: full_attention or sliding_attention. Empty means all full attention."""
     sliding_window: int | None = None
+    window_causal: bool = True
+    """Sliding-window layers causal inside the block (z-lab's reading of a config without `is_causal`);
+    False = the 2026 drafters' non-causal window (`is_causal: false`): the block stays bidirectional."""
     attention_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -46,6 +49,8 @@ class DrafterConfig:
             object.__setattr__(self, "layer_types", (FULL,) * self.num_layers)
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if SLIDING not in self.layer_types:  # meaningless without a sliding layer: one value, so configs compare equal
+            object.__setattr__(self, "window_causal", True)
         self.validate()
 
     @property
@@ -74,6 +79,9 @@ class DrafterConfig:
             raise ValueError(f"layer_types: unknown {sorted(unknown)}; expected {FULL} or {SLIDING}")
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if SLIDING in self.layer_types and self.sliding_window < self.block_size:
+            raise ValueError(f"sliding_window {self.sliding_window} is smaller than block_size {self.block_size}: "
+                             "a block's own slots would fall out of each other's window")
 
     def check_target(self, target_hidden_size: int, target_num_layers: int, target_vocab_size: int) -> None:
         """The drafter must match the target it drafts for: width, depth, embedding rows, and taps
@@ -167,22 +175,29 @@ def tap_layer_ids(n_target: int, num_taps: int, explicit=None) -> list[int]:
     return ids
 
 
+WINDOW_LAYERS = ("all", "all_but_last")
+
+
 def drafter_config_from_target(target_config, *, num_layers: int, block_size: int, mask_token_id: int,
                                target_layer_ids=None, num_taps: int = 5, sliding_window: int | None = None,
+                               window_layers: str = "all", window_causal: bool = False,
                                vocab_size: int | None = None) -> DrafterConfig:
     """Derive the drafter from the target: width, heads, head_dim, rope theta, eps, vocab, taps.
 
-    With `sliding_window`, all layers but the last are sliding_attention (the last stays full, as in
-    the published Qwen3.6-27B drafter).
+    With `sliding_window`, every layer is sliding_attention (`window_layers="all"`, the 2026
+    drafters) or all but the last (`"all_but_last"`, the published Qwen3.6-27B drafter);
+    `window_causal` makes those layers causal inside the block (z-lab's older drafters).
     """
     cfg = _text_config(target_config)
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     check_servable(cfg, head_dim)
     ids = tap_layer_ids(cfg.num_hidden_layers, num_taps, target_layer_ids)
+    if window_layers not in WINDOW_LAYERS:
+        raise ValueError(f"window_layers={window_layers!r}: expected one of {', '.join(WINDOW_LAYERS)}")
     types = (FULL,) * num_layers
     if sliding_window:
-        types = (SLIDING,) * (num_layers - 1) + (FULL,)
+        types = (SLIDING,) * num_layers if window_layers == "all" else (SLIDING,) * (num_layers - 1) + (FULL,)
     return DrafterConfig(
         hidden_size=cfg.hidden_size,
         intermediate_size=_intermediate_size(cfg),
@@ -200,6 +215,7 @@ def drafter_config_from_target(target_config, *, num_layers: int, block_size: in
         max_position_embeddings=int(getattr(cfg, "max_position_embeddings", 32768)),
         layer_types=types,
         sliding_window=sliding_window,
+        window_causal=window_causal,
         attention_bias=bool(getattr(cfg, "attention_bias", False)),
         bos_token_id=getattr(cfg, "bos_token_id", None),
         eos_token_id=getattr(cfg, "eos_token_id", None),

@@ -170,13 +170,13 @@ class DFlashDrafter(nn.Module):
         """Inference forward of one block [b, B, H] after the cached context (spec 1.6).
 
         The anchor sits at position `cache.length`; full-attention layers need no mask (the block
-        sees all cached context and itself, bidirectionally), sliding-window layers get the causal
-        windowed mask of `attention.inference_mask`.
+        sees all cached context and itself, bidirectionally), sliding-window layers get the windowed
+        (and, for `window_causal` drafters, causal) mask of `attention.inference_mask`.
         """
         masks = {}
-        if self.config.sliding_window:
+        if SLIDING in self.config.layer_types:
             masks[SLIDING] = inference_mask(cache.length, block_embeds.shape[1], self.config.sliding_window,
-                                            block_embeds.device)
+                                            block_embeds.device, causal=self.config.window_causal)
         return self.run_layers(block_embeds, cache.kv, block_positions, masks, backend)
 
 

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_train.atomic import atomic_dir
-from dflash_train.model.attention import FULL
+from dflash_train.model.attention import FULL, SLIDING
 from dflash_train.model.config import DrafterConfig
 from dflash_train.model.drafter import DFlashDrafter
 from dflash_train.model.taps import build_target_layer_ids
@@ -30,14 +30,14 @@ Our eval drafts over them only (`eval.draft_vocab`); JSON, not safetensors, so e
 *.safetensors of the directory as weights never see it."""
 TRAINED_AGAINST = "trained_against"
 """dflash_config key holding the identity of the target the drafter was trained against."""
-DFLASH_KEYS = {"mask_token_id", "target_layer_ids", "block_size"}
+DFLASH_KEYS = {"mask_token_id", "target_layer_ids", "block_size", "causal"}
 KNOWN_KEYS = {
     "architectures", "model_type", "block_size", "num_target_layers", "dflash_config", "hidden_size",
     "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
     "hidden_act", "rms_norm_eps", "rope_theta", "rope_scaling", "attention_bias", "attention_dropout",
     "max_position_embeddings", "layer_types", "use_sliding_window", "sliding_window", "max_window_layers",
     "tie_word_embeddings", "vocab_size", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
-    "target_layer_ids", "auto_map", "transformers_version", "initializer_range", "use_cache",
+    "target_layer_ids", "auto_map", "transformers_version", "initializer_range", "use_cache", "is_causal",
 }
 
 
@@ -55,7 +55,7 @@ def zlab_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16,
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
         "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
-                          "block_size": cfg.block_size},
+                          "block_size": cfg.block_size, **_causal_keys(cfg, "causal")},
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers,
@@ -73,6 +73,7 @@ def zlab_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16,
         "use_sliding_window": cfg.sliding_window is not None,
         "sliding_window": cfg.sliding_window,
         "max_window_layers": cfg.num_layers,
+        **_causal_keys(cfg, "is_causal"),
         "tie_word_embeddings": False,
         "vocab_size": cfg.vocab_size,
         "dtype": str(dtype).removeprefix("torch."),
@@ -85,6 +86,23 @@ def zlab_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16,
         d["dflash_config"][TRAINED_AGAINST] = trained_against
     d.update(extra)
     return d
+
+
+def _causal_keys(cfg: DrafterConfig, key: str) -> dict:
+    """`is_causal: false` (and `dflash_config.causal: false`) for a non-causal window: without it the
+    engines make sliding-window layers causal inside the block (vLLM `_dflash_layer_causal`: explicit
+    `is_causal` > `dflash_config.causal` > sliding layers causal); nothing for other drafters."""
+    return {key: False} if SLIDING in cfg.layer_types and not cfg.window_causal else {}
+
+
+def _window_causal(d: dict, dflash: dict, source: str) -> bool:
+    """How the engines read a drafter's sliding layers: causal unless `is_causal` or
+    `dflash_config.causal` says otherwise; a causal full-attention layer is not a DFlash drafter."""
+    explicit = d.get("is_causal", dflash.get("causal"))
+    if explicit and FULL in (d.get("layer_types") or (FULL,)):
+        raise ValueError(f"{source}: is_causal/causal true makes full-attention layers causal, which no DFlash "
+                         "drafter trains")
+    return True if explicit is None else bool(explicit)
 
 
 def drafter_config_from_zlab(d: dict, source: str = "config.json") -> DrafterConfig:
@@ -111,6 +129,7 @@ def drafter_config_from_zlab(d: dict, source: str = "config.json") -> DrafterCon
             num_target_layers=n_target, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=d.get("rope_theta", 1e6), max_position_embeddings=d.get("max_position_embeddings", 32768),
             layer_types=tuple(d.get("layer_types") or (FULL,) * n_layers), sliding_window=d.get("sliding_window"),
+            window_causal=_window_causal(d, dflash, source),
             attention_bias=d.get("attention_bias", False), bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"), extra=_extra_keys(d),
         )
@@ -197,7 +216,7 @@ def speculators_config_dict(cfg: DrafterConfig, verifier: str, verifier_arch: li
         "target_hidden_size": None,
         "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
         "mask_token_id": cfg.mask_token_id,
-        "sliding_window_non_causal": False,
+        "sliding_window_non_causal": SLIDING in cfg.layer_types and not cfg.window_causal,
         "sample_from_anchor": False,
         "speculators_config": {
             "algorithm": "dflash",

@@ -260,7 +260,7 @@ def check_forward(drafter_dir: Path, d: dict, cfg: DrafterConfig, trained: DFlas
     taps = torch.randn(1, C + 1, cfg.num_taps * H, generator=gen)  # the anchor's own tap is never seen
     block = torch.randn(1, B, H, generator=gen)
     positions = torch.cat([torch.arange(C + 1), C + torch.arange(B)])[None]  # [1, C+1+B]
-    masks = build_training_masks(MaskSpec(C + 1, B, 1, cfg.sliding_window), cfg.layer_types,
+    masks = build_training_masks(MaskSpec(C + 1, B, 1, cfg.sliding_window, cfg.window_causal), cfg.layer_types,
                                  torch.tensor([[C]]), torch.ones(1, 1, dtype=torch.bool), "dense")
     with torch.no_grad():
         want = ours(block, taps, positions, masks, "dense")[0]  # [B, H]

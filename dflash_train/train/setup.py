@@ -82,7 +82,9 @@ def build_drafter_config(cfg: RunConfig, target) -> DrafterConfig:
     dcfg = drafter_config_from_target(target.config, num_layers=cfg.drafter.num_layers,
                                       block_size=cfg.drafter.block_size, mask_token_id=mask_id,
                                       target_layer_ids=cfg.target.layer_ids, num_taps=cfg.drafter.num_taps,
-                                      sliding_window=cfg.drafter.sliding_window, vocab_size=target.vocab_size)
+                                      sliding_window=cfg.drafter.sliding_window,
+                                      window_layers=cfg.drafter.window_layers, window_causal=cfg.drafter.window_causal,
+                                      vocab_size=target.vocab_size)
     dcfg.check_target(target.hidden_size, target.num_layers, target.vocab_size)
     return dcfg
 

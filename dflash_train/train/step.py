@@ -69,7 +69,7 @@ def drafter_hidden(model, batch: dict, ctx: StepContext) -> tuple[torch.Tensor, 
     dcfg = ctx.drafter
     block_embeds = F.embedding(block_inputs(input_ids, anchors, dcfg.block_size, dcfg.mask_token_id),
                                ctx.embed_weight)  # [b, N*B, H]
-    spec = MaskSpec(seq_len, dcfg.block_size, num_anchors, dcfg.sliding_window)
+    spec = MaskSpec(seq_len, dcfg.block_size, num_anchors, dcfg.sliding_window, dcfg.window_causal)
     masks = build_training_masks(spec, dcfg.layer_types, anchors, keep, ctx.backend,
                                  persistent=ctx.persistent_masks)
     hidden = model(block_embeds, taps, position_ids(seq_len, anchors, ctx.block_size), masks, ctx.backend)

@@ -143,8 +143,10 @@ def test_drafter_config_follows_the_target(name):
     assert d.intermediate_size == (3 * 64 if name in MOE else 128)
     assert d.attention_bias == bool(getattr(cfg, "attention_bias", False))
     windowed = drafter_config_from_target(cfg, num_layers=3, block_size=4, mask_token_id=7, target_layer_ids=(0, 1),
-                                          sliding_window=16)
+                                          sliding_window=16, window_layers="all_but_last")
     assert windowed.layer_types == (SLIDING, SLIDING, FULL) and windowed.sliding_window == 16
+    assert drafter_config_from_target(cfg, num_layers=3, block_size=4, mask_token_id=7, target_layer_ids=(0, 1),
+                                      sliding_window=16).layer_types == (SLIDING,) * 3
     exported = zlab_config_dict(d)
     assert exported["rope_theta"] == ARCHS[name][3] and exported["rope_scaling"] is None
     assert exported["head_dim"] == 16 and exported["vocab_size"] == 300 and exported["hidden_size"] == 64

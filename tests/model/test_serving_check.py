@@ -160,12 +160,13 @@ def test_a_rope_theta_the_engines_read_otherwise_fails(bad, target):
     assert "rope_theta" in fields(check_drafter(write(), target))
 
 
-def test_an_engine_only_key_that_changes_the_forward_fails_the_forward(bad, target):
-    """`is_causal` is honoured by vLLM and ignored by our trainer: only the forward can see it."""
+def test_a_causal_full_attention_drafter_is_refused_by_name(bad, target):
+    """`is_causal: true` makes vLLM run full-attention layers causally, which no DFlash drafter
+    trains: the check names the key (it used to pass unread until the forward differed)."""
     out, config, _, write = bad
     config["is_causal"] = True
     failures = check_drafter(write(), target)
-    assert fields(failures) == {"forward"} and "max |diff|" in failures[0].message
+    assert fields(failures) == {"config"} and "is_causal" in failures[0].message
 
 
 def test_a_wrong_target_fails(good_export, tiny_qwen3_target, tmp_path):
