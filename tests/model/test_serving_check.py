@@ -223,3 +223,23 @@ def test_a_gguf_trained_drafter_is_served_with_the_converted_dir(tiny_qwen3_targ
     assert f"vllm serve {smollm2.serve} " in text and f"--model-path {smollm2.serve} " in text
     assert '"num_speculative_tokens": 3' in text and "--speculative-num-draft-tokens 4" in text
     assert "gguf Q4_1" in text and "converted HF directory" in text
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_a_windowed_drafter_exports_what_it_trained_and_the_check_sees_a_lost_causality_key(
+        tiny_qwen3_target, tiny_qwen3_dir, target, tmp_path, causal):
+    """A sliding-window drafter (window 3 < the check's 5 context positions + block 4, so the window
+    binds) exports its causality as the engines read it, and passes; a non-causal one whose
+    `is_causal`/`causal` keys are dropped is what an engine would run causally: the forward fails."""
+    drafter = tiny_drafter(tiny_qwen3_target.config, layer_types=("sliding_attention",) * 2, sliding_window=4,
+                           window_causal=causal)
+    out = export_drafter(drafter, tmp_path / "drafter", str(tiny_qwen3_dir))
+    config = json.loads((out / "config.json").read_text())
+    assert ("is_causal" in config) is (not causal) and config["dflash_config"].get("causal", True) is causal
+    assert check_drafter(out, target, trained=drafter) == []
+    if not causal:
+        config.pop("is_causal")
+        config["dflash_config"].pop("causal")
+        (out / "config.json").write_text(json.dumps(config))
+        failures = check_drafter(out, target, trained=drafter)
+        assert "training.window_causal" in fields(failures)
