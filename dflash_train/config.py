@@ -62,6 +62,20 @@ class DrafterConfigSpec:
     window_causal: bool = False
     """Sliding-window layers causal inside the block (z-lab's older drafters); False keeps the block
     bidirectional and exports `is_causal: false`, as the 2026 drafters are exported."""
+    arch: Literal["dflash", "dflash2", "dspark"] = "dflash"
+    """The drafter's architecture (model/architectures.py): dflash (the paper's), dflash2 (z-lab's DFlash 2:
+    dynamic convolutions and a top-k candidate selector on the previous token) or dspark (a Markov bias
+    on the previous token and a confidence head, drafting from the anchor's slot too)."""
+    conv_kernel_size: int = 2
+    """dflash2: taps of the grouped dynamic convolutions (z-lab's published drafters: 2)."""
+    conv_group_size: int = 16
+    """dflash2: channels per dynamic kernel weight (must divide the target's hidden size)."""
+    selector_rank: int = 256
+    """dflash2: rank of the candidate selector's codebooks."""
+    selector_top_k: int = 16
+    """dflash2: candidates per drafted slot."""
+    markov_rank: int = 256
+    """dspark: rank of the Markov logit bias."""
     init_from_target: bool = True
     """Initialise the final norm (and so the logit scale) and the layers from the target's last
     layers where shapes allow; random init otherwise."""
@@ -126,11 +140,23 @@ class DataConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class LossConfig:
-    kind: Literal["ce", "ce_teacher", "kl", "mix"] = "ce"
+    kind: Literal["ce", "ce_teacher", "kl", "mix", "tv"] = "ce"
     """What the drafter learns from, per predicted slot (train/loss.py): ce = cross-entropy on the data
     token | ce_teacher = cross-entropy on the target's argmax | kl = KL(target || drafter) at
-    `temperature` | mix = (1 - kl_weight) * ce + kl_weight * kl. Every kind but ce needs the target's
+    `temperature` | mix = (1 - kl_weight) * ce + kl_weight * kl | tv = (1 - tv_weight) * ce + tv_weight *
+    total variation to the target's distribution (DSpark's loss). Every kind but ce needs the target's
     final hidden state, which then travels with the taps (and `prepare` stores it in the shards)."""
+    weighting: Literal["decay", "dpace"] = "decay"
+    """Position weights of the drafted tokens: decay = exp(-i/gamma) (the paper) | dpace = D-PACE (arXiv
+    2605.18810): from the drafter's probability of each data token, the expected accepted length's
+    gradient weights (train/loss.py). Both are normalised by their sum, so lr keeps its meaning."""
+    dpace_alpha: float = 0.5
+    """D-PACE's alpha in (0, 1]: q~ = (1 - alpha) q + alpha (stable in [0.3, 0.7], ModelOpt)."""
+    tv_weight: float = 0.9
+    """Share of the total-variation term in kind=tv (DSpark: 0.9; CE gets the rest)."""
+    head_weight: float = 1.0
+    """Weight of the architecture's own term, weighted like the rows' loss: dflash2's selector CE,
+    dspark's confidence BCE (none for dflash)."""
     temperature: float = 1.0
     """Softmax temperature T of the kl term: T^2 * KL(softmax(t/T) || softmax(s/T)) (Hinton's
     convention: the T^2 keeps the gradient scale of T = 1). Used by kind=kl and kind=mix."""

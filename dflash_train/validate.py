@@ -27,6 +27,8 @@ BUILTIN_TARGETS = ("smollm2",)
 # Fields that must be > 0 (when set: None keeps its meaning).
 POSITIVE = (
     "drafter.num_layers", "drafter.num_taps", "drafter.sliding_window", "drafter.init_norm_scale",
+    "drafter.conv_kernel_size", "drafter.conv_group_size", "drafter.selector_rank", "drafter.selector_top_k",
+    "drafter.markov_rank",
     "data.max_len", "data.max_samples", "data.text_prompt_tokens", "data.regen_max_new_tokens", "data.regen_batch_size", "data.shard_mb",
     "data.prepare_batch_tokens", "loss.gamma", "loss.chunk_tokens", "loss.train_vocab", "loss.temperature",
     "optim.lr", "train.epochs", "train.max_steps", "train.max_minutes", "train.num_anchors", "train.seqs_per_step",
@@ -36,7 +38,7 @@ POSITIVE = (
 )
 # Fields that must be >= 0 (when set).
 NON_NEGATIVE = (
-    "drafter.mask_token_id", "data.min_loss_tokens", "data.regen_temperature", "optim.weight_decay",
+    "drafter.mask_token_id", "loss.head_weight", "data.min_loss_tokens", "data.regen_temperature", "optim.weight_decay",
     "optim.grad_clip", "eval.num_prompts", "eval.temperature",
 )
 # Fields in a half-open [low, high) or closed [low, high] range: key -> (low, high, closed).
@@ -45,6 +47,7 @@ RANGES = {
     "optim.warmup_ratio": (0.0, 1.0, False),
     "optim.min_lr_ratio": (0.0, 1.0, True),
     "loss.kl_weight": (0.0, 1.0, True),
+    "loss.tv_weight": (0.0, 1.0, True),
 }
 
 
@@ -79,6 +82,11 @@ def config_problems(cfg: RunConfig) -> list[str]:
     if cfg.drafter.sliding_window is not None and cfg.drafter.sliding_window < cfg.drafter.block_size:
         problems.append(f"drafter.sliding_window={cfg.drafter.sliding_window}: must be >= drafter.block_size="
                         f"{cfg.drafter.block_size} (a block's slots must see each other), or none for full attention")
+    if not 0 < cfg.loss.dpace_alpha <= 1:
+        problems.append(f"loss.dpace_alpha={cfg.loss.dpace_alpha}: must be in (0, 1] (D-PACE's q~ = (1 - alpha) q + alpha)")
+    if cfg.loss.weighting == "dpace" and cfg.loss.gamma is not None:
+        problems.append(f"loss.gamma={cfg.loss.gamma} with loss.weighting=dpace: D-PACE replaces the decay, so gamma "
+                        "would be ignored; set one or the other")
     if cfg.eval.block_size is not None and cfg.eval.block_size < 2:
         problems.append(f"eval.block_size={cfg.eval.block_size}: must be >= 2")
     beta1, beta2 = cfg.optim.betas

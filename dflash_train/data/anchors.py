@@ -89,3 +89,12 @@ def block_labels(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torc
     supervised = torch.gather(loss_mask.bool(), 1, flat).view_as(target_pos)
     valid = in_range & supervised & keep[:, :, None] & (offsets > 0)
     return labels, valid
+
+
+def drafted_targets(input_ids: torch.Tensor, loss_mask: torch.Tensor, anchors: torch.Tensor, keep: torch.Tensor,
+                    drafted: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What each block drafts: labels [b, N, D] = input_ids[a + 1 + i], valid [b, N, D] (kept block,
+    in range, supervised), and prev [b, N, D] = input_ids[a + i], the token before each label (the
+    anchor for i = 0), which heads that condition on the previous token are teacher-forced with."""
+    labels, valid = block_labels(input_ids, loss_mask, anchors, keep, drafted + 1)  # [b, N, D + 1]
+    return labels[:, :, 1:], valid[:, :, 1:], labels[:, :, :-1]

@@ -8,8 +8,11 @@ Conventions:
 - Taps use z-lab semantics (`model/taps.py`): id i is HF `hidden_states[i + 1]`, concatenated
   over `layer_ids`.
 - One step: draft block `[anchor, MASK x (B-1)]` at positions [start, start+B), embedded with the
-  target's embedding; the drafter proposes slots 1..B-1; the target reads the B tokens in one
-  forward; `acc` = number of accepted draft tokens (0..B-1); the step emits acc + 1 tokens (the
+  target's embedding; the drafter proposes D tokens (DFlash: slots 1..B-1, D = B - 1; DSpark drafts
+  from the anchor's slot too, D = B), walked as its architecture drafts (`DFlashDrafter.propose`:
+  independently per slot for DFlash, a chain on the previous token for DFlash 2 and DSpark); the
+  target reads the anchor and the D drafts in one forward; `acc` = number of accepted draft tokens
+  (0..D); the step emits acc + 1 tokens (the
   accepted drafts plus the target's correction/bonus token), the target cache is cropped to
   start+acc+1 and the drafter cache gets the taps of positions start..start+acc.
 - Greedy (temperature 0): acc = longest prefix with draft[k] == target_argmax[k-1], so the output
@@ -17,7 +20,8 @@ Conventions:
 - temperature > 0: standard speculative rejection sampling (accept x with prob min(1, p(x)/q(x)),
   on rejection sample norm(max(p - q, 0)), after full acceptance sample the bonus from p), so the
   output distribution equals the target's. DFlash drafts all slots independently given the
-  context, which keeps the scheme exact (slot k's draw does not depend on slots < k).
+  context; DFlash 2's and DSpark's draws depend on the tokens drafted before them, which
+  sequential rejection sampling handles exactly as well (q is each token's conditional).
 - Stopping (shared by both loops): generation ends after the first token in `eos_ids` (kept in
   the output) or after `max_new_tokens` tokens; tokens a step produced past that are dropped.
 - tau (acceptance length, the paper's definition) = tokens produced per verification forward =
@@ -262,9 +266,20 @@ def draft_head(hidden: torch.Tensor, head: "torch.Tensor | DraftHead") -> torch.
 @torch.no_grad()
 def draft_logits(drafter: DFlashDrafter, ctx: ContextCache, anchor: int, embed_weight: torch.Tensor,
                  head: "torch.Tensor | DraftHead", block_size: int) -> torch.Tensor:
-    """Drafter logits [B-1, V] for slots 1..B-1 of the block [anchor, MASK x (B-1)] at ctx.length,
-    on the lm_head's device."""
-    return draft_head(draft_hidden(drafter, ctx, anchor, embed_weight, block_size), head)
+    """Drafter logits [D, V] of the drafting slots of the block [anchor, MASK x (B-1)] at ctx.length,
+    on the lm_head's device (before any previous-token conditioning of the architecture)."""
+    hidden = draft_hidden(drafter, ctx, anchor, embed_weight, block_size)
+    head = head if isinstance(head, DraftHead) else DraftHead.of(head)
+    return head(hidden[drafter.drafted_offset:])
+
+
+@torch.no_grad()
+def draft_block(drafter: DFlashDrafter, ctx: ContextCache, anchor: int, embed_weight: torch.Tensor,
+                head: DraftHead, block_size: int, temperature: float, generator=None):
+    """One block's draft: (tokens [D], q [D, V] the distributions they were drawn from, or None when
+    greedy), walked as the drafter's architecture drafts (`DFlashDrafter.propose`)."""
+    hidden = draft_hidden(drafter, ctx, anchor, embed_weight, block_size)
+    return drafter.propose(hidden[drafter.drafted_offset:], anchor, head, temperature, generator)
 
 
 def verify_block(anchor: int, draft: torch.Tensor) -> torch.Tensor:
@@ -273,7 +288,7 @@ def verify_block(anchor: int, draft: torch.Tensor) -> torch.Tensor:
 
 
 def accept_greedy(draft: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
-    """draft [B-1], target_logits [B, V] -> (acc, next token = target argmax after the accepted prefix)."""
+    """draft [D], target_logits [D + 1, V] -> (acc, next token = target argmax after the accepted prefix)."""
     target_tokens = target_logits.argmax(-1)  # [B]; row k predicts the token after slot k
     acc = int((draft == target_tokens[:-1]).int().cumprod(0).sum())
     return acc, int(target_tokens[acc])
@@ -311,9 +326,8 @@ def _spec_step(target_model, drafter: DFlashDrafter, state: DecodeState, anchor:
     assert state.cache.get_seq_length() == start, "target and drafter caches out of step"
     # the mode sees every torch call (~3 us each on this CPU): only where it reroutes anything
     with few_row_linear() if device.type == "cpu" else contextlib.nullcontext():
-        d_logits = draft_logits(drafter, state.ctx, anchor, embed_weight, head, block_size)
-        q = _probs(d_logits, temperature) if temperature > 0 else None
-        draft = (d_logits.argmax(-1) if q is None else _sample(q, generator)).to(device)  # [B-1]
+        draft, q = draft_block(drafter, state.ctx, anchor, embed_weight, head, block_size, temperature, generator)
+        draft = draft.to(device)  # [D]
         t_logits, taps = _target_forward(target_model, verify_block(anchor, draft), state.cache, taps=layer_ids)
         if q is None:
             acc, nxt = accept_greedy(draft, t_logits[0])

@@ -14,6 +14,10 @@ from dflash_train.model.attention import FULL, SLIDING
 from dflash_train.model.taps import build_target_layer_ids
 
 
+ARCHS = ("dflash", "dflash2", "dspark")
+"""Drafter architectures; `model/architectures.py` maps each to its class and export names."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class DrafterConfig:
     hidden_size: int
@@ -39,6 +43,18 @@ class DrafterConfig:
     """Sliding-window layers causal inside the block (z-lab's reading of a config without `is_causal`);
     False = the 2026 drafters' non-causal window (`is_causal: false`): the block stays bidirectional."""
     attention_bias: bool = False
+    arch: str = "dflash"
+    """The drafter's architecture (model/architectures.py): dflash | dflash2 | dspark."""
+    conv_kernel_size: int = 2
+    """DFlash 2: taps of the grouped dynamic convolutions around each sublayer (K)."""
+    conv_group_size: int = 16
+    """DFlash 2: channels sharing one dynamic kernel weight (G)."""
+    selector_rank: int = 256
+    """DFlash 2: rank r of the candidate selector's codebooks and hidden projection."""
+    selector_top_k: int = 16
+    """DFlash 2: candidates per drafted slot (the top-k of the unary logits)."""
+    markov_rank: int = 256
+    """DSpark: rank of the Markov logit bias W2 @ W1[previous token]."""
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     extra: dict = field(default_factory=dict, compare=False)
@@ -79,6 +95,10 @@ class DrafterConfig:
             raise ValueError(f"layer_types: unknown {sorted(unknown)}; expected {FULL} or {SLIDING}")
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch {self.arch!r}: expected one of {', '.join(ARCHS)}")
+        if self.arch == "dflash2" and self.hidden_size % self.conv_group_size:
+            raise ValueError(f"conv_group_size {self.conv_group_size} does not divide hidden_size {self.hidden_size}")
         if SLIDING in self.layer_types and self.sliding_window < self.block_size:
             raise ValueError(f"sliding_window {self.sliding_window} is smaller than block_size {self.block_size}: "
                              "a block's own slots would fall out of each other's window")
@@ -181,7 +201,7 @@ WINDOW_LAYERS = ("all", "all_but_last")
 def drafter_config_from_target(target_config, *, num_layers: int, block_size: int, mask_token_id: int,
                                target_layer_ids=None, num_taps: int = 5, sliding_window: int | None = None,
                                window_layers: str = "all", window_causal: bool = False,
-                               vocab_size: int | None = None) -> DrafterConfig:
+                               vocab_size: int | None = None, arch: str = "dflash") -> DrafterConfig:
     """Derive the drafter from the target: width, heads, head_dim, rope theta, eps, vocab, taps.
 
     With `sliding_window`, every layer is sliding_attention (`window_layers="all"`, the 2026
@@ -217,6 +237,7 @@ def drafter_config_from_target(target_config, *, num_layers: int, block_size: in
         sliding_window=sliding_window,
         window_causal=window_causal,
         attention_bias=bool(getattr(cfg, "attention_bias", False)),
+        arch=arch,
         bos_token_id=getattr(cfg, "bos_token_id", None),
         eos_token_id=getattr(cfg, "eos_token_id", None),
     )

@@ -1,5 +1,11 @@
 """The DFlash drafter as pure math: no distributed code, no I/O, no target weights inside.
 
+`DFlashDrafter` is also the interface every architecture implements (model/architectures.py picks
+the class by `DrafterConfig.arch`; DFlash 2 and DSpark subclass it): which block slots draft
+(`drafted_offset`), a logit bias on the previous token (`logit_bias`), a term of its own in the loss
+(`extra_loss`), the greedy choice given the previous tokens (`greedy`) and the drafting walk
+(`propose`). The training loop, the sources and checkpoints never ask which architecture trains.
+
 Module tree and parameter names are those of z-lab `DFlashDraftModel` (spec 1.1), so a state dict
 saves and loads as the published checkpoint format: `layers.{i}.*`, `fc.weight`,
 `hidden_norm.weight`, `norm.weight`. The target's embedding and lm_head are used from outside
@@ -105,21 +111,65 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, ctx_kv, cos, sin, mask, backend: str) -> torch.Tensor:
+    def forward(self, x, ctx_kv, cos, sin, mask, backend: str, block_size: int) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx_kv, cos, sin, mask, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DFlashDrafter(nn.Module):
-    """Trainable parts of a DFlash drafter: layers, fc, hidden_norm, norm."""
+    """Trainable parts of a DFlash drafter: layers, fc, hidden_norm, norm; and the plain DFlash head:
+    slots 1..B-1 draft, each the argmax of the target's lm_head (sampled independently at T > 0)."""
+
+    drafted_offset = 1
+    """The first block slot that drafts a token: 1 (slot 0 holds the anchor, DFlash), 0 when the
+    anchor's slot drafts too (DSpark). Slot s drafts token anchor + s + 1 - drafted_offset."""
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg
-        self.layers = nn.ModuleList(DFlashDecoderLayer(cfg, t) for t in cfg.layer_types)
+        self.layers = nn.ModuleList(self.make_layer(cfg, t) for t in cfg.layer_types)
         self.fc = nn.Linear(cfg.num_taps * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    @staticmethod
+    def make_layer(cfg: DrafterConfig, layer_type: str) -> nn.Module:
+        return DFlashDecoderLayer(cfg, layer_type)
+
+    def drafted(self, block_size: int) -> int:
+        """Tokens one block drafts (D)."""
+        return block_size - self.drafted_offset
+
+    def drafted_rows(self, hidden: torch.Tensor, block_size: int) -> torch.Tensor:
+        """The drafting slots' hidden states: [b, N*B, H] -> [b, N, D, H]."""
+        b, q, h = hidden.shape
+        return hidden.view(b, q // block_size, block_size, h)[:, :, self.drafted_offset:]
+
+    def logit_bias(self, prev: torch.Tensor | None, vocab_ids: torch.Tensor | None):
+        """A trainable low-rank logit bias on the previous tokens prev [T]: (inputs [T, r], weight [V', r]),
+        or None (DFlash). vocab_ids [V'] restrict the weight's rows to a training vocabulary."""
+        return None
+
+    def extra_loss(self, rows: torch.Tensor, out, labels: torch.Tensor, prev: torch.Tensor | None,
+                   vocab_ids: torch.Tensor | None, weight: float, has_tv: bool):
+        """The architecture's own per-row loss term [T] (weighted like the rows' loss) and its greedy
+        choice [T] when it differs from the argmax of the logits; (None, None) for DFlash. `out` is
+        `softmax_rows.RowsOut` of the rows; labels in the lm_head's row space (`vocab_ids`)."""
+        return None, None
+
+    def greedy(self, rows: torch.Tensor, prev: torch.Tensor, logits_fn) -> torch.Tensor:
+        """The greedy draft [T] of rows [T, H] given each row's previous token prev [T] (teacher forced:
+        on a leading run of accepted drafts the previous token is the data's). logits_fn(rows) -> [T, V]."""
+        return logits_fn(rows).argmax(-1)
+
+    def propose(self, rows: torch.Tensor, anchor: int, logits_fn, temperature: float, generator=None):
+        """Draft one block from its drafting rows [D, H] after `anchor`: (tokens [D], q [D, V] the
+        distribution each token was drawn from, None when greedy)."""
+        logits = logits_fn(rows)  # [D, V]
+        if temperature <= 0:
+            return logits.argmax(-1), None
+        q = torch.softmax(logits.double() / temperature, dim=-1)
+        return torch.multinomial(q, 1, generator=generator).squeeze(-1), q
 
     def reset_parameters(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
         """HF-style init: normal(0, std) linears, zero biases, unit norms."""
@@ -142,12 +192,13 @@ class DFlashDrafter(nn.Module):
         return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
 
     def run_layers(self, x: torch.Tensor, ctx_kv: list, block_positions: torch.Tensor, masks: dict,
-                   backend: str) -> torch.Tensor:
-        """Block tokens x [b, Q, H] at absolute positions [b, Q] through all layers; returns norm(x)."""
+                   backend: str, block_size: int) -> torch.Tensor:
+        """Block tokens x [b, Q, H] (Q a multiple of block_size) at absolute positions [b, Q] through all
+        layers; returns norm(x)."""
         cos, sin = rope_cos_sin(block_positions, self.config.head_dim, self.config.rope_theta)
         for layer, kv in zip(self.layers, ctx_kv):
             mask = masks.get(layer.layer_type) if masks else None
-            x = layer(x, kv, cos, sin, mask, backend)
+            x = layer(x, kv, cos, sin, mask, backend, block_size)
         return self.norm(x)
 
     def forward(self, block_embeds: torch.Tensor, target_hidden: torch.Tensor, position_ids: torch.Tensor,
@@ -163,7 +214,8 @@ class DFlashDrafter(nn.Module):
         context_len = target_hidden.shape[1]
         ctx = self.fuse_context(target_hidden)
         ctx_kv = self.context_kv(ctx, position_ids[:, :context_len])
-        return self.run_layers(block_embeds, ctx_kv, position_ids[:, context_len:], masks, backend)
+        return self.run_layers(block_embeds, ctx_kv, position_ids[:, context_len:], masks, backend,
+                               self.config.block_size)
 
     def draft(self, block_embeds: torch.Tensor, cache: "ContextCache", block_positions: torch.Tensor,
               backend: str = "sdpa") -> torch.Tensor:
@@ -177,7 +229,7 @@ class DFlashDrafter(nn.Module):
         if SLIDING in self.config.layer_types:
             masks[SLIDING] = inference_mask(cache.length, block_embeds.shape[1], self.config.sliding_window,
                                             block_embeds.device, causal=self.config.window_causal)
-        return self.run_layers(block_embeds, cache.kv, block_positions, masks, backend)
+        return self.run_layers(block_embeds, cache.kv, block_positions, masks, backend, block_embeds.shape[1])
 
 
 class ContextCache:

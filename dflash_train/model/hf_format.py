@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_train.atomic import atomic_dir
+from dflash_train.model.architectures import ARCHITECTURES, arch_of_architectures, build_drafter
 from dflash_train.model.attention import FULL, SLIDING
 from dflash_train.model.config import DrafterConfig
 from dflash_train.model.drafter import DFlashDrafter
@@ -30,7 +31,8 @@ Our eval drafts over them only (`eval.draft_vocab`); JSON, not safetensors, so e
 *.safetensors of the directory as weights never see it."""
 TRAINED_AGAINST = "trained_against"
 """dflash_config key holding the identity of the target the drafter was trained against."""
-DFLASH_KEYS = {"mask_token_id", "target_layer_ids", "block_size", "causal"}
+ARCH_KEYS = {key for spec in ARCHITECTURES.values() for key in spec.dflash_keys}
+DFLASH_KEYS = {"mask_token_id", "target_layer_ids", "block_size", "causal"} | ARCH_KEYS
 KNOWN_KEYS = {
     "architectures", "model_type", "block_size", "num_target_layers", "dflash_config", "hidden_size",
     "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -49,13 +51,15 @@ def zlab_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16,
     `dflash_config.trained_against`, a key the engines do not read; without it, one carried in
     `cfg.extra` from a loaded checkpoint stays.
     """
+    arch = ARCHITECTURES[cfg.arch]
     d = {
-        "architectures": ["DFlashDraftModel"],
+        "architectures": list(arch.architectures),
         "model_type": "qwen3",
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
         "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
-                          "block_size": cfg.block_size, **_causal_keys(cfg, "causal")},
+                          "block_size": cfg.block_size, **_causal_keys(cfg, "causal"),
+                          **{key: getattr(cfg, key) for key in arch.dflash_keys}},
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers,
@@ -121,7 +125,10 @@ def drafter_config_from_zlab(d: dict, source: str = "config.json") -> DrafterCon
         if mask_token_id is None:
             raise KeyError("dflash_config.mask_token_id")
         heads = d["num_attention_heads"]
+        arch = arch_of_architectures(d.get("architectures") or ["DFlashDraftModel"], source)
+        arch_fields = {key: dflash[key] for key in ARCHITECTURES[arch].dflash_keys if key in dflash}
         return DrafterConfig(
+            arch=arch, **arch_fields,
             hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"], num_layers=n_layers,
             num_heads=heads, num_kv_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads, vocab_size=d["vocab_size"],
@@ -192,7 +199,7 @@ def load_zlab(model_dir: str | Path, device="cpu", dtype: torch.dtype | None = N
         for name, t in load_file(str(path)).items():
             tensors[name.removeprefix("model.")] = t
     with torch.device("meta"):
-        drafter = DFlashDrafter(cfg)
+        drafter = build_drafter(cfg)
     missing = set(drafter.state_dict()) - set(tensors)
     unexpected = set(tensors) - set(drafter.state_dict()) - {"embed_tokens.weight", "lm_head.weight"}
     if missing or unexpected:

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from dflash_train.model import engine_view
+from dflash_train.model.architectures import arch_of_architectures, build_drafter
 from dflash_train.model.attention import MaskSpec, build_training_masks
 from dflash_train.model.config import DrafterConfig, last_layer_tap_problem, rope_theta_of
 from dflash_train.model.drafter import DFlashDrafter
@@ -94,9 +95,10 @@ def check_drafter(drafter_dir: str | Path, target: TargetInfo | None = None,
 def check_config(d: dict, shapes: dict, target: TargetInfo | None) -> list[Failure]:
     """The config keys the engines act on, as they read them."""
     out = []
-    if d.get("architectures") != ["DFlashDraftModel"]:
-        out.append(Failure("architectures", f"{d.get('architectures')} is not [\"DFlashDraftModel\"]: "
-                                            "vLLM and SGLang pick their DFlash class by this name"))
+    try:
+        arch_of_architectures(d.get("architectures"))
+    except ValueError as e:
+        out.append(Failure("architectures", f"{e}: vLLM and SGLang pick their drafter class by this name"))
     if d.get("model_type") != "qwen3":
         out.append(Failure("model_type", f"{d.get('model_type')!r} is not 'qwen3': the engines parse the "
                                          "config as a Qwen3Config"))
@@ -211,7 +213,7 @@ def check_weights(shapes: dict, cfg: DrafterConfig, skip_fc: bool = False) -> li
         out.append(Failure("weights.shared", f"carries {shared}: vLLM would use them instead of the target's "
                                              "embedding and lm_head, SGLang ignores them"))
     with torch.device("meta"):
-        expected = {k: tuple(v.shape) for k, v in DFlashDrafter(cfg).state_dict().items()}
+        expected = {k: tuple(v.shape) for k, v in build_drafter(cfg).state_dict().items()}
     missing = sorted(set(expected) - set(plain))
     unexpected = sorted(set(plain) - set(expected) - set(shared))
     if missing:

@@ -187,7 +187,7 @@ def _serve(p: Process, s: Setup) -> dict:
     return _finish_distributed(topo, {"role": "target", **stats})
 
 
-def _step_context(p: Process, s: Setup) -> StepContext:
+def _step_context(p: Process, s: Setup, drafter: torch.nn.Module) -> StepContext:
     lm_head = s.target.lm_head_weight.detach()
     vocab = setup.train_vocab_of(p.cfg, s.data.train, s.target.vocab_size, p.log)
     vocab = vocab.to(p.device) if vocab is not None else None
@@ -197,7 +197,9 @@ def _step_context(p: Process, s: Setup) -> StepContext:
                        device=p.device, autocast_dtype=torch.bfloat16 if p.device.type == "cuda" else None,
                        dp_group=p.dp_group, num_drafters=p.topo.num_drafters, compile_loss=s.compiled,
                        train_vocab=vocab, train_lm_head=loss_head if vocab is not None else None,
-                       loss=LossMix.from_config(p.cfg.loss), loss_head_fp8=_loss_head_fp8(p, s, loss_head))
+                       loss=LossMix.from_config(p.cfg.loss), loss_head_fp8=_loss_head_fp8(p, s, loss_head),
+                       head=drafter, weighting=p.cfg.loss.weighting, dpace_alpha=p.cfg.loss.dpace_alpha,
+                       head_weight=p.cfg.loss.head_weight)
 
 
 def _loss_head_fp8(p: Process, s: Setup, loss_head: torch.Tensor):
@@ -227,7 +229,7 @@ def _build_training(p: Process, s: Setup) -> Training:
     source = build_source(s.feed, p.topo, s.target, list(s.dcfg.target_layer_ids), p.device, s.total_steps,
                           s.data.stored)
     held_out = source.held_out()
-    ctx = _step_context(p, s)
+    ctx = _step_context(p, s, drafter)
     draft_vocab = ctx.train_vocab.ids.cpu() if ctx.train_vocab is not None else None
     progress, weights = TrainProgress(), DrafterState(drafter, optimizer, draft_vocab)
     states = {"train": progress, "optimizer": optimizer, "scheduler": scheduler, "data": source, "budget": budget,

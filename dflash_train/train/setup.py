@@ -6,6 +6,8 @@ with no hidden state.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from dflash_train.data.dataset import load_samples, prepare_samples, split_held_
 from dflash_train.data.dataset import prepare_tapped as prepare_tapped_samples
 from dflash_train.data.shards import ShardReader
 from dflash_train.model.config import DrafterConfig, drafter_config_from_target
+from dflash_train.model.architectures import build_drafter
 from dflash_train.model.drafter import DFlashDrafter
 from dflash_train.model.target import resolve_mask_token_id
 from dflash_train.model.target_subset import TargetSubset
@@ -84,7 +87,10 @@ def build_drafter_config(cfg: RunConfig, target) -> DrafterConfig:
                                       target_layer_ids=cfg.target.layer_ids, num_taps=cfg.drafter.num_taps,
                                       sliding_window=cfg.drafter.sliding_window,
                                       window_layers=cfg.drafter.window_layers, window_causal=cfg.drafter.window_causal,
-                                      vocab_size=target.vocab_size)
+                                      vocab_size=target.vocab_size, arch=cfg.drafter.arch)
+    dcfg = dataclasses.replace(dcfg, conv_kernel_size=cfg.drafter.conv_kernel_size,
+                               conv_group_size=cfg.drafter.conv_group_size, selector_rank=cfg.drafter.selector_rank,
+                               selector_top_k=cfg.drafter.selector_top_k, markov_rank=cfg.drafter.markov_rank)
     dcfg.check_target(target.hidden_size, target.num_layers, target.vocab_size)
     return dcfg
 
@@ -104,7 +110,7 @@ def init_drafter(dcfg: DrafterConfig, target, seed: int, from_target: bool, devi
     and no copy over (13.7 s for a Qwen3-8B-sized drafter when built on the CPU); the random
     values still come from a seeded CPU generator, so they are the same on every device."""
     with torch.device("meta"):
-        drafter = DFlashDrafter(dcfg)
+        drafter = build_drafter(dcfg)
     drafter = drafter.to_empty(device=device).float()
     drafter.reset_parameters(generator=torch.Generator().manual_seed(seed))  # sets every parameter
     if from_target:

@@ -17,6 +17,7 @@ import dataclasses
 
 import torch
 
+from dflash_train.data.anchors import drafted_targets
 from dflash_train.data.records import Sample
 from dflash_train.eval.spec_decode import DraftHead
 from dflash_train.train import setup
@@ -50,17 +51,22 @@ def simulated_tau(drafter, eval_mbs, ctx: StepContext) -> dict:
 def anchor_acceptance(drafter, batch: dict, ctx: StepContext,
                       head: DraftHead | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per anchor of a batch on the device: (draft tokens accepted greedily [b, N], whether the anchor
-    has a supervised token after it [b, N]); accepted = leading slots whose argmax equals the label,
-    over the full vocabulary or, as the decode loop drafts, over `head`'s draft vocabulary."""
+    has a supervised token after it [b, N]); accepted = leading drafted tokens whose greedy choice
+    (the architecture's, `greedy`, given the data's previous tokens: on a leading run of accepted
+    drafts those are the drafted ones) equals the label, over the full vocabulary or, as the decode
+    loop drafts, over `head`'s draft vocabulary."""
     with autocast(ctx):
-        hidden, labels, valid = drafter_hidden(drafter, batch, ctx)
-    b, n, block = labels.shape
-    rows = hidden.reshape(b * n * block, -1)  # [b*N*B, H]
+        hidden = drafter_hidden(drafter, batch, ctx)
+    labels, valid, prev = drafted_targets(batch["input_ids"], batch["loss_mask"], batch["anchors"], batch["keep"],
+                                          drafter.drafted(ctx.block_size))
+    b, n, drafted = labels.shape
+    rows = drafter.drafted_rows(hidden, ctx.block_size).reshape(b * n * drafted, -1)  # [b*N*D, H]
     head = head or DraftHead.of(ctx.lm_head_weight)
-    pred = torch.cat([head(r).argmax(-1) for r in rows.split(ARGMAX_ROWS)])
-    correct = (pred.view(b, n, block) == labels) & valid  # [b, N, B]; slot 0 (the anchor) never valid
-    accepted = correct[:, :, 1:].int().cumprod(-1).sum(-1)  # [b, N]
-    return accepted, valid[:, :, 1]
+    pred = torch.cat([drafter.greedy(r, p, head).to(labels.device)
+                      for r, p in zip(rows.split(ARGMAX_ROWS), prev.reshape(-1).split(ARGMAX_ROWS))])
+    correct = (pred.view(b, n, drafted) == labels) & valid  # [b, N, D]
+    accepted = correct.int().cumprod(-1).sum(-1)  # [b, N]
+    return accepted, valid[:, :, 0]
 
 
 def accepted_walk(anchors: list[int], accepted: list[int], start: int) -> list[int]:

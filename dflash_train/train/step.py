@@ -9,17 +9,20 @@ the factor D in `scale`.
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from dflash_train.data.anchors import block_inputs, block_labels, position_ids
+from dflash_train.data.anchors import block_inputs, drafted_targets, position_ids
 from dflash_train.model.attention import MaskSpec, PersistentMasks, build_training_masks
 from dflash_train.model.config import DrafterConfig
+from dflash_train.model.logits import LogitTransform
 from dflash_train.train.batching import MicroBatch, host_to_device, to_device
-from dflash_train.train.loss import CE, LossMix, LossStats, block_loss, slot_weights, teacher_hidden_at
+from dflash_train.train.loss import CE, LossMix, LossStats, Objective, block_loss, slot_weights, teacher_hidden_at
+from dflash_train.train.softmax_rows import RowsSpec
 from dflash_train.train.optim import MasterWeightAdamW, step_unless
 from dflash_train.train.vocab import VocabSubset
 
@@ -44,36 +47,56 @@ class StepContext:
     persistent_masks: PersistentMasks | None = None  # CUDA graphs (bench): masks kept at fixed addresses
     loss: LossMix = CE  # loss.kind as coefficients; teacher terms read batch["final_hidden"]
     loss_head_fp8: object = None  # fp8.Float8Head of the lm_head the loss uses (train.fp8_lm_head), or None
+    head: object = None  # the (unwrapped) drafter: its architecture's drafted slots, logit bias and own loss term
+    weighting: str = "decay"  # loss.weighting
+    dpace_alpha: float = 0.5
+    head_weight: float = 1.0  # loss.head_weight
 
     @property
     def block_size(self) -> int:
         return self.drafter.block_size
 
+    @property
+    def drafted(self) -> int:
+        """Tokens a block drafts (the architecture's; B - 1 for DFlash)."""
+        return self.head.drafted(self.block_size) if self.head is not None else self.block_size - 1
+
+    @functools.cached_property
+    def objective(self) -> Objective:
+        """Built once per context: the compiled loss guards on it, so it must not be a new object per step."""
+        spec = RowsSpec(self.loss, LogitTransform.of(self.drafter), getattr(self.drafter, "selector_top_k", 0)
+                        if self.drafter.arch == "dflash2" else 0)
+        return Objective(spec, self.weighting, self.gamma, self.dpace_alpha, self.chunk_tokens, self.compile_loss,
+                         self.head_weight)
+
 
 def loss_weight_sum(mb: MicroBatch, ctx: StepContext) -> torch.Tensor:
     """Sum of w_k over the valid slots of a micro-batch (the loss denominator's share), counting
     only the slots the loss will see (with `loss.train_vocab`, labels inside the subset)."""
-    labels, valid = block_labels(mb.input_ids, mb.loss_mask, mb.anchors, mb.keep, ctx.block_size)
+    labels, valid, _ = drafted_targets(mb.input_ids, mb.loss_mask, mb.anchors, mb.keep, ctx.drafted)
     if ctx.train_vocab is not None:
         _, valid = ctx.train_vocab.map_labels(labels, valid)
-    w = slot_weights(ctx.block_size, ctx.gamma, dtype=torch.float64)
-    return (valid[:, :, 1:].double() * w).sum()
+    w = slot_weights(ctx.drafted, ctx.gamma, dtype=torch.float64)
+    return (valid.double() * w).sum()
 
 
-def drafter_hidden(model, batch: dict, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The drafter's output hidden [b, N*B, H] for one micro-batch already on the device, with the
-    block labels and valid slots [b, N, B] it is scored against (call inside `autocast(ctx)`)."""
+def drafter_hidden(model, batch: dict, ctx: StepContext) -> torch.Tensor:
+    """The drafter's output hidden [b, N*B, H] for one micro-batch already on the device (call inside
+    `autocast(ctx)`)."""
     input_ids, anchors, keep, taps = batch["input_ids"], batch["anchors"], batch["keep"], batch["taps"]
     seq_len, num_anchors = input_ids.shape[1], anchors.shape[1]
-    labels, valid = block_labels(input_ids, batch["loss_mask"], anchors, keep, ctx.block_size)
     dcfg = ctx.drafter
     block_embeds = F.embedding(block_inputs(input_ids, anchors, dcfg.block_size, dcfg.mask_token_id),
                                ctx.embed_weight)  # [b, N*B, H]
     spec = MaskSpec(seq_len, dcfg.block_size, num_anchors, dcfg.sliding_window, dcfg.window_causal)
     masks = build_training_masks(spec, dcfg.layer_types, anchors, keep, ctx.backend,
                                  persistent=ctx.persistent_masks)
-    hidden = model(block_embeds, taps, position_ids(seq_len, anchors, ctx.block_size), masks, ctx.backend)
-    return hidden, labels, valid
+    return model(block_embeds, taps, position_ids(seq_len, anchors, ctx.block_size), masks, ctx.backend)
+
+
+def batch_targets(batch: dict, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """labels, valid and previous tokens [b, N, D] of the drafted tokens (`anchors.drafted_targets`)."""
+    return drafted_targets(batch["input_ids"], batch["loss_mask"], batch["anchors"], batch["keep"], ctx.drafted)
 
 
 def autocast(ctx: StepContext):
@@ -85,15 +108,18 @@ def autocast(ctx: StepContext):
 def forward_stats(model, batch: dict, ctx: StepContext) -> LossStats:
     """Drafter forward + loss sums for one micro-batch already on the device."""
     with autocast(ctx):
-        hidden, labels, valid = drafter_hidden(model, batch, ctx)
-        lm_head = ctx.lm_head_weight
+        hidden = drafter_hidden(model, batch, ctx)
+        labels, valid, prev = batch_targets(batch, ctx)
+        rows = (ctx.head.drafted_rows(hidden, ctx.block_size) if ctx.head is not None
+                else hidden.view(*labels.shape[:2], ctx.block_size, -1)[:, :, 1:])  # [b, N, D, H]
+        lm_head, vocab_ids = ctx.lm_head_weight, None
         if ctx.train_vocab is not None:
             labels, valid = ctx.train_vocab.map_labels(labels, valid)
-            lm_head = ctx.train_lm_head
-        teacher = teacher_hidden_at(batch["final_hidden"], batch["anchors"], ctx.block_size) \
-            if ctx.loss.needs_teacher else None  # [b, N, B, H]
-        return block_loss(hidden, lm_head, labels, valid, ctx.gamma, ctx.chunk_tokens, teacher_hidden=teacher,
-                          compiled=ctx.compile_loss, mix=ctx.loss, fp8=ctx.loss_head_fp8)
+            lm_head, vocab_ids = ctx.train_lm_head, ctx.train_vocab.ids
+        teacher = teacher_hidden_at(batch["final_hidden"], batch["anchors"], ctx.drafted) \
+            if ctx.loss.needs_teacher else None  # [b, N, D, H]
+        return block_loss(rows, lm_head, labels, valid, ctx.objective, teacher, prev, ctx.head, ctx.loss_head_fp8,
+                          vocab_ids)
 
 
 def global_weight_sum(mbs: list[MicroBatch], ctx: StepContext) -> torch.Tensor:
@@ -180,4 +206,4 @@ def reduce_stats(stats: LossStats, ctx: StepContext) -> LossStats:
     flat = stats.flat()
     if ctx.num_drafters > 1:
         dist.all_reduce(flat, group=ctx.dp_group)
-    return LossStats.from_flat(flat, ctx.block_size)
+    return LossStats.from_flat(flat, ctx.drafted)

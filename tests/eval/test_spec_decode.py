@@ -19,6 +19,17 @@ def _spec(target, drafter, prompt, n, eos=(), block_size=None, temperature=0.0, 
                                 eos, temperature=temperature, generator=generator, block_size=block_size)
 
 
+def from_logits(logits_fn):
+    """`draft_block` for a stand-in of `draft_logits`: DFlash's independent draw from those logits."""
+    from dflash_train.model.drafter import DFlashDrafter
+
+    def block(drafter, ctx, anchor, embed_weight, head, block_size, temperature, generator=None):
+        logits = logits_fn(drafter, ctx, anchor, embed_weight, head, block_size)
+        return DFlashDrafter.propose(None, None, anchor, lambda rows: logits, temperature, generator)
+
+    return block
+
+
 def oracle_draft(truth: list[int], prompt_len: int, vocab: int, p_right: float, seed: int):
     """A stand-in for `draft_logits` that proposes the target's true greedy token with probability
     p_right (else a wrong one), so steps accept 0..B-1 tokens and every crop path runs."""
@@ -83,7 +94,7 @@ def test_greedy_equals_target_when_drafts_are_accepted(qwen3, prompts, block_siz
     accepted = []
     for i, prompt in enumerate(prompts):
         truth = target_generate(qwen3, prompt, 40 + block_size, []).tokens
-        monkeypatch.setattr(spec_decode, "draft_logits", oracle_draft(truth, prompt.shape[1], 97, 0.75, seed=i))
+        monkeypatch.setattr(spec_decode, "draft_block", from_logits(oracle_draft(truth, prompt.shape[1], 97, 0.75, seed=i)))
         first_seen = {t: truth.index(t) for t in truth[:40]}
         eos = [max(first_seen, key=first_seen.get)]  # the token that appears last: a late stop
         spec = _spec(qwen3, drafter, prompt, 40, eos=eos)
@@ -251,7 +262,7 @@ def test_rejection_sampling_preserves_target_distribution(block_size, subset, mo
     classic bug (after a rejection, resampling from p instead of the residual max(p - q, 0))."""
     temperature, n = 0.9, 2000
     target = BigramLM(vocab=8, hidden=4, num_layers=3, seed=0)
-    monkeypatch.setattr(spec_decode, "draft_logits", table_draft(8, seed=1, subset=subset))
+    monkeypatch.setattr(spec_decode, "draft_block", from_logits(table_draft(8, seed=1, subset=subset)))
     exact = _exact_triples(target, temperature)
     counts = _sample_triples(target, block_size, n, temperature)
     stat, dof = _chi2(counts, exact, n)
@@ -291,8 +302,8 @@ def test_greedy_equals_target_on_smollm2(smollm2_target, monkeypatch):
 
     random_drafter = spec(2)
     assert random_drafter.tokens == plain.tokens[:32]
-    monkeypatch.setattr(spec_decode, "draft_logits",
-                        oracle_draft(plain.tokens, prompt.shape[1], t.vocab_size, 0.8, seed=0))
+    monkeypatch.setattr(spec_decode, "draft_block",
+                        from_logits(oracle_draft(plain.tokens, prompt.shape[1], t.vocab_size, 0.8, seed=0)))
     accepting = spec(4)
     assert accepting.tokens == plain.tokens[:32]
     assert accepting.tau > 1.5

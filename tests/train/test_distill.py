@@ -15,25 +15,26 @@ from dflash_train.config import LossConfig, RunConfig
 from dflash_train.data.records import Conversation
 from dflash_train.data.regen_taps import TappedSamples, regenerate_with_taps
 from dflash_train.train.batching import MicroBatch
-from dflash_train.train.loss import CE, LossMix, block_loss, teacher_hidden_at
+from dflash_train.train.loss import CE, LossMix, teacher_hidden_at
 from dflash_train.train.taps import FINAL_HIDDEN, StoredRows, TapsSpec, TensorField, target_tensors
 from dflash_train.validate import config_problems
-from tests.train.test_loss import make_case, naive_loss
+from tests.train.test_loss import dflash_block_loss, make_case, naive_loss
 from tests.train.test_pipeline import env, losses, run
 
 IDS = [1, 3]
 
 
-def test_teacher_hidden_of_slot_k_is_the_target_at_a_plus_k_minus_1():
+def test_teacher_hidden_of_drafted_token_i_is_the_target_at_a_plus_i():
+    """Drafted token i of anchor a is token a + i + 1, which the target predicts at position a + i."""
     g = torch.Generator().manual_seed(0)
     final = torch.randn(2, 12, 4, generator=g)
     anchors = torch.tensor([[0, 5, 9], [2, 3, 11]])
-    got = teacher_hidden_at(final, anchors, block_size=4)
-    assert got.shape == (2, 3, 4, 4)
+    got = teacher_hidden_at(final, anchors, drafted=3)
+    assert got.shape == (2, 3, 3, 4)
     for i in range(2):
         for j in range(3):
-            for k in range(1, 4):
-                pos = int(anchors[i, j]) + k - 1
+            for k in range(3):
+                pos = int(anchors[i, j]) + k
                 if pos < 12:  # past the end: never a valid slot
                     assert torch.equal(got[i, j, k], final[i, pos])
 
@@ -42,13 +43,13 @@ def test_ce_teacher_is_ce_on_the_teacher_argmax_and_accuracy_stays_on_data_token
     hidden, weight, labels, valid = make_case(seed=3)
     teacher = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     argmax_labels = (teacher @ weight.T).argmax(-1)  # [b, N, B]
-    got = block_loss(hidden, weight, labels, valid, 2.0, chunk_tokens=5, teacher_hidden=teacher,
+    got = dflash_block_loss(hidden, weight, labels, valid, 2.0, chunk_tokens=5, teacher_hidden=teacher,
                      mix=LossMix(ce=0.0, ce_teacher=1.0))
-    ref = block_loss(hidden, weight, argmax_labels, valid, 2.0, chunk_tokens=5)
+    ref = dflash_block_loss(hidden, weight, argmax_labels, valid, 2.0, chunk_tokens=5)
     torch.testing.assert_close(got.loss_sum, ref.loss_sum, rtol=1e-12, atol=1e-12)
     (g1,), (g2,) = torch.autograd.grad(got.loss_sum, hidden), torch.autograd.grad(ref.loss_sum, hidden)
     torch.testing.assert_close(g1, g2, rtol=1e-12, atol=1e-12)
-    on_data = block_loss(hidden, weight, labels, valid, 2.0)  # the same drafter argmax, data labels
+    on_data = dflash_block_loss(hidden, weight, labels, valid, 2.0)  # the same drafter argmax, data labels
     assert torch.equal(got.slot_correct, on_data.slot_correct)
     assert not torch.equal(ref.slot_correct, on_data.slot_correct)  # the two label sets differ: not vacuous
 
@@ -57,11 +58,11 @@ def test_ce_teacher_is_ce_on_the_teacher_argmax_and_accuracy_stays_on_data_token
 def test_kl_vanishes_where_the_drafter_is_the_target(temperature):
     hidden, weight, labels, valid = make_case(seed=5)
     teacher = hidden.detach().view(2, 3, 5, 8)
-    stats = block_loss(hidden, weight, labels, valid, 2.0, teacher_hidden=teacher,
+    stats = dflash_block_loss(hidden, weight, labels, valid, 2.0, teacher_hidden=teacher,
                        mix=LossMix(ce=0.0, kl=1.0, temperature=temperature))
     (grad,) = torch.autograd.grad(stats.loss_sum, hidden)
     assert abs(float(stats.loss_sum.detach())) < 1e-12 and float(grad.abs().max()) < 1e-12
-    moved = block_loss(hidden * 1.5, weight, labels, valid, 2.0, teacher_hidden=teacher,
+    moved = dflash_block_loss(hidden * 1.5, weight, labels, valid, 2.0, teacher_hidden=teacher,
                        mix=LossMix(ce=0.0, kl=1.0, temperature=temperature))
     assert float(moved.loss_sum) > 1e-3
 
@@ -72,10 +73,10 @@ def test_temperature_follows_the_t_squared_convention():
     hidden, weight, labels, valid = make_case(seed=6)
     teacher = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(7))
     big_t = 1000.0
-    stats = block_loss(hidden, weight, labels, valid, 2.0, teacher_hidden=teacher,
+    stats = dflash_block_loss(hidden, weight, labels, valid, 2.0, teacher_hidden=teacher,
                        mix=LossMix(ce=0.0, kl=1.0, temperature=big_t))
     s = (hidden.detach().view(2, 3, 5, 8) @ weight.T)[:, :, 1:]
-    t = (teacher @ weight.T)[:, :, 1:]
+    t = (teacher @ weight.T)[:, :, 1:]  # [b, N, B-1, V]: the drafted slots
     d = (s - t) - (s - t).mean(-1, keepdim=True)
     limit = (d ** 2).mean(-1) / 2  # [b, N, B-1]
     w = torch.exp(-(torch.arange(1, 5, dtype=torch.float64) - 1) / 2.0) * valid[:, :, 1:]
@@ -89,10 +90,10 @@ def test_train_vocab_kl_renormalises_the_teacher_over_the_subset():
     teacher = torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
     subset = torch.tensor([0, 2, 3, 7, 10])
     mix = LossMix(ce=0.0, kl=1.0, temperature=1.5)
-    got = block_loss(hidden, weight[subset], labels.clamp(max=4), valid, 2.0, teacher_hidden=teacher, mix=mix)
+    got = dflash_block_loss(hidden, weight[subset], labels.clamp(max=4), valid, 2.0, teacher_hidden=teacher, mix=mix)
     want = naive_loss(hidden, weight[subset], labels.clamp(max=4), valid, 2.0, teacher, mix)
     torch.testing.assert_close(got.loss_sum / got.weight_sum, want, rtol=1e-12, atol=1e-12)
-    full = block_loss(hidden, weight, labels, valid, 2.0, teacher_hidden=teacher, mix=mix)
+    full = dflash_block_loss(hidden, weight, labels, valid, 2.0, teacher_hidden=teacher, mix=mix)
     assert not torch.allclose(full.loss_sum, got.loss_sum)  # the subset changes the objective
 
 

@@ -1,7 +1,7 @@
 import torch
 
-from dflash_train.train.loss import block_loss
 from dflash_train.train.vocab import vocab_subset
+from tests.train.test_loss import dflash_block_loss
 
 
 def test_subset_holds_every_data_token_then_the_lowest_ids():
@@ -39,9 +39,9 @@ def test_restricted_loss_equals_full_loss_when_the_subset_holds_every_competitor
 
     vocab = vocab_subset([keep_ids], vocab_size, size=len(keep_ids))
     assert vocab.ids.tolist() == keep_ids
-    full = block_loss(hidden, weight, labels, valid, gamma=2.0, chunk_tokens=4)
+    full = dflash_block_loss(hidden, weight, labels, valid, gamma=2.0, chunk_tokens=4)
     sub_labels, sub_valid = vocab.map_labels(labels, valid)
-    part = block_loss(hidden, vocab.restrict(weight), sub_labels, sub_valid, gamma=2.0, chunk_tokens=4)
+    part = dflash_block_loss(hidden, vocab.restrict(weight), sub_labels, sub_valid, gamma=2.0, chunk_tokens=4)
     full_loss, part_loss = full.loss_sum / full.weight_sum, part.loss_sum / part.weight_sum
     (g_full,) = torch.autograd.grad(full_loss, hidden)
     (g_part,) = torch.autograd.grad(part_loss, hidden)
@@ -60,9 +60,9 @@ def test_loss_normaliser_counts_only_labels_the_subset_keeps():
 
     mb = SimpleNamespace(input_ids=torch.arange(1, 9)[None], loss_mask=torch.ones(1, 8, dtype=torch.long),
                          anchors=torch.tensor([[0]]), keep=torch.tensor([[True]]))  # labels 2, 3, 4
-    w = slot_weights(4, 2.0, dtype=torch.float64)
-    everything = SimpleNamespace(block_size=4, gamma=2.0, train_vocab=None)
+    w = slot_weights(3, 2.0, dtype=torch.float64)  # block 4: three drafted tokens
+    everything = SimpleNamespace(block_size=4, drafted=3, gamma=2.0, train_vocab=None)
     torch.testing.assert_close(loss_weight_sum(mb, everything), w.sum())
     without_3 = vocab_subset([(1, 2, 4, 5, 6, 7, 8)], vocab_size=10, size=7)
-    restricted = SimpleNamespace(block_size=4, gamma=2.0, train_vocab=without_3.to("cpu"))
+    restricted = SimpleNamespace(block_size=4, drafted=3, gamma=2.0, train_vocab=without_3.to("cpu"))
     torch.testing.assert_close(loss_weight_sum(mb, restricted), w[0] + w[2])
