@@ -111,7 +111,7 @@ class DFlashDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, ctx_kv, cos, sin, mask, backend: str, block_size: int) -> torch.Tensor:
+    def forward(self, x, ctx_kv, cos, sin, mask, backend: str, block_size: int | None = None) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), ctx_kv, cos, sin, mask, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
