@@ -19,18 +19,33 @@ from dflash_train.model.dspark import DSparkDrafter
 class Architecture:
     cls: type
     architectures: tuple[str, ...]
-    """config.json `architectures`: the engines pick their drafter class by it."""
+    """config.json `architectures` we write: the engines pick their drafter class by it."""
     dflash_keys: tuple[str, ...] = ()
     """DrafterConfig fields written to (and read from) `dflash_config`."""
-    default_block: int | None = None
-    """The block size this architecture is published with, where it differs from the recipe's."""
+    constants: tuple[tuple[str, object], ...] = ()
+    """Fixed keys the engines read, which describe what this trainer's class is (written, and checked)."""
+    top_level: bool = False
+    """The keys above also at the top level (vLLM's DSpark reads `config.markov_rank` there)."""
+    also_read: tuple[tuple[str, ...], ...] = ()
+    """Other `architectures` lists that name the same drafter."""
+    vllm_method: str = "dflash"
+    sglang_algorithm: str = "DFLASH"
+
+    def drafted(self, block_size: int) -> int:
+        """Tokens one step drafts: vLLM's num_speculative_tokens (SGLang's draft tokens are one more)."""
+        return block_size - self.cls.drafted_offset
 
 
 ARCHITECTURES = {
     "dflash": Architecture(DFlashDrafter, ("DFlashDraftModel",)),
     "dflash2": Architecture(DFlash2Drafter, ("DFlash2DraftModel",),
-                            ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"), 8),
-    "dspark": Architecture(DSparkDrafter, ("DSparkDraftModel",), ("markov_rank",)),
+                            ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")),
+    # engine-formats.md A: the flat format DeepSeek's DeepSpec writes, which vLLM and SGLang both load
+    "dspark": Architecture(DSparkDrafter, ("Qwen3DSparkModel",), ("markov_rank",),
+                           (("markov_head_type", "vanilla"), ("enable_confidence_head", True),
+                            ("confidence_head_with_markov", True), ("sample_from_anchor", True)),
+                           top_level=True, also_read=(("DSparkDraftModel",),), vllm_method="dspark",
+                           sglang_algorithm="DSPARK"),
 }
 
 
@@ -42,7 +57,7 @@ def build_drafter(cfg: DrafterConfig) -> DFlashDrafter:
 def arch_of_architectures(names, source: str = "config.json") -> str:
     """The arch whose `architectures` list a checkpoint names; a ValueError naming the file otherwise."""
     for arch, spec in ARCHITECTURES.items():
-        if list(names or []) == list(spec.architectures):
+        if list(names or []) in [list(spec.architectures), *map(list, spec.also_read)]:
             return arch
     known = ", ".join(f"{list(a.architectures)}" for a in ARCHITECTURES.values())
     raise ValueError(f"{source}: architectures {names!r} is not a drafter this trainer reads ({known})")

@@ -31,7 +31,7 @@ Our eval drafts over them only (`eval.draft_vocab`); JSON, not safetensors, so e
 *.safetensors of the directory as weights never see it."""
 TRAINED_AGAINST = "trained_against"
 """dflash_config key holding the identity of the target the drafter was trained against."""
-ARCH_KEYS = {key for spec in ARCHITECTURES.values() for key in spec.dflash_keys}
+ARCH_KEYS = {key for spec in ARCHITECTURES.values() for key in spec.dflash_keys + tuple(k for k, _ in spec.constants)}
 DFLASH_KEYS = {"mask_token_id", "target_layer_ids", "block_size", "causal"} | ARCH_KEYS
 KNOWN_KEYS = {
     "architectures", "model_type", "block_size", "num_target_layers", "dflash_config", "hidden_size",
@@ -40,7 +40,8 @@ KNOWN_KEYS = {
     "max_position_embeddings", "layer_types", "use_sliding_window", "sliding_window", "max_window_layers",
     "tie_word_embeddings", "vocab_size", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
     "target_layer_ids", "auto_map", "transformers_version", "initializer_range", "use_cache", "is_causal",
-}
+    "mask_token_id",
+} | ARCH_KEYS
 
 
 def zlab_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16,
@@ -58,8 +59,7 @@ def zlab_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16,
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
         "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
-                          "block_size": cfg.block_size, **_causal_keys(cfg, "causal"),
-                          **{key: getattr(cfg, key) for key in arch.dflash_keys}},
+                          "block_size": cfg.block_size, **_causal_keys(cfg, "causal"), **_arch_keys(cfg)},
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers,
@@ -84,12 +84,31 @@ def zlab_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16,
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": cfg.eos_token_id,
     }
+    if arch.top_level:
+        d.update({**_arch_keys(cfg), "mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)})
     extra = dict(cfg.extra)
     d["dflash_config"].update(extra.pop("dflash_config", {}))
     if trained_against is not None:
         d["dflash_config"][TRAINED_AGAINST] = trained_against
     d.update(extra)
     return d
+
+
+def _arch_keys(cfg: DrafterConfig) -> dict:
+    """The architecture's own keys (model/architectures.py): its DrafterConfig fields and constants."""
+    arch = ARCHITECTURES[cfg.arch]
+    return {**{key: getattr(cfg, key) for key in arch.dflash_keys}, **dict(arch.constants)}
+
+
+def _arch_fields(d: dict, dflash: dict, arch: str, source: str) -> dict:
+    """The architecture's DrafterConfig fields from `dflash_config` (or the top level); a constant
+    that says the checkpoint is another variant than this trainer's class is refused by name."""
+    spec = ARCHITECTURES[arch]
+    for key, want in spec.constants:
+        got = dflash.get(key, d.get(key))
+        if got is not None and got != want:
+            raise ValueError(f"{source}: {key}={got!r}, but this trainer's {arch} drafter is {key}={want!r}")
+    return {key: dflash.get(key, d.get(key)) for key in spec.dflash_keys if dflash.get(key, d.get(key)) is not None}
 
 
 def _causal_keys(cfg: DrafterConfig, key: str) -> dict:
@@ -126,7 +145,7 @@ def drafter_config_from_zlab(d: dict, source: str = "config.json") -> DrafterCon
             raise KeyError("dflash_config.mask_token_id")
         heads = d["num_attention_heads"]
         arch = arch_of_architectures(d.get("architectures") or ["DFlashDraftModel"], source)
-        arch_fields = {key: dflash[key] for key in ARCHITECTURES[arch].dflash_keys if key in dflash}
+        arch_fields = _arch_fields(d, dflash, arch, source)
         return DrafterConfig(
             arch=arch, **arch_fields,
             hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"], num_layers=n_layers,

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from dflash_train.model import engine_view
-from dflash_train.model.architectures import arch_of_architectures, build_drafter
+from dflash_train.model.architectures import ARCHITECTURES, arch_of_architectures, build_drafter
 from dflash_train.model.attention import MaskSpec, build_training_masks
 from dflash_train.model.config import DrafterConfig, last_layer_tap_problem, rope_theta_of
 from dflash_train.model.drafter import DFlashDrafter
@@ -279,15 +279,18 @@ def check_forward(drafter_dir: Path, d: dict, cfg: DrafterConfig, trained: DFlas
 
 
 def serve_instructions(drafter_dir: str | Path) -> str:
-    """Serve commands for an exported drafter, naming the target it was trained against and
-    `num_speculative_tokens` = block_size - 1 (vLLM never reads block_size)."""
+    """Serve commands for an exported drafter, naming the target it was trained against, the engines'
+    method for its architecture and the drafted tokens per step (vLLM never reads block_size)."""
     d = json.loads((Path(drafter_dir) / "config.json").read_text())
     dflash = d.get("dflash_config") or {}
     block_size = dflash.get("block_size", d.get("block_size"))
+    arch = ARCHITECTURES[arch_of_architectures(d.get("architectures"))]
+    drafted = arch.drafted(block_size)
     rec = dflash.get(TRAINED_AGAINST)
     target = rec["serve"] if isinstance(rec, dict) and rec.get("serve") else "TARGET"
-    spec = json.dumps({"method": "dflash", "model": str(drafter_dir), "num_speculative_tokens": block_size - 1})
+    spec = json.dumps({"method": arch.vllm_method, "model": str(drafter_dir), "num_speculative_tokens": drafted})
     return (f"serve it with (target: {serve_note(rec)}):\n"
             f"  vLLM:   vllm serve {target} --speculative-config '{spec}' --attention-backend flash_attn\n"
-            f"  SGLang: python -m sglang.launch_server --model-path {target} --speculative-algorithm DFLASH "
-            f"--speculative-draft-model-path {drafter_dir} --speculative-num-draft-tokens {block_size}")
+            f"  SGLang: python -m sglang.launch_server --model-path {target} --speculative-algorithm "
+            f"{arch.sglang_algorithm} --speculative-draft-model-path {drafter_dir} --speculative-num-draft-tokens "
+            f"{drafted + 1}")
