@@ -108,6 +108,31 @@ def _attention(hf, w: dict, p: str, h: torch.Tensor, ctx: torch.Tensor, visible:
     return _linear(out, w, p + "self_attn.o_proj")
 
 
+def _convolve(x: torch.Tensor, coef_base: torch.Tensor, coef_dyn: torch.Tensor, group: int) -> torch.Tensor:
+    """DFlash 2's grouped dynamic causal convolution over one block (vLLM DFlash2Qwen3DecoderLayer):
+    out[t, c] = sum_tau (base[tau, c] + dyn[t, tau, c // group]) * x[t - tau, c], zero before the block.
+    x [B, H]; coef_base [K, H]; coef_dyn [B, K, H/G]."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for tau in range(min(coef_base.shape[0], t + 1)):
+            coef = coef_base[tau] + coef_dyn[t, tau].repeat_interleave(group)  # [H]
+            out[t] += coef * x[t - tau]
+    return out
+
+
+def _conv_sublayer(sublayer, x: torch.Tensor, w: dict, name: str, dflash: dict) -> torch.Tensor:
+    """sublayer(x) as DFlash 2 wraps it: the input-side convolution, the sublayer, the output side, both
+    sides' dynamic kernels from the normed input x; plain sublayer(x) where the layer has no `name`."""
+    if name + ".base_kernel" not in w:
+        return sublayer(x)
+    base = w[name + ".base_kernel"].float()  # [2, K, H]
+    taps, group = base.shape[1], int(dflash["conv_group_size"])
+    dyn = F.linear(x, w[name + ".kernel_projection.weight"].float())  # [B, 2*K*H/G]: side, tap, group
+    dyn = dyn.view(x.shape[0], 2, taps, x.shape[1] // group)
+    y = _convolve(x, base[0], dyn[:, 0], group)
+    return _convolve(sublayer(y), base[1], dyn[:, 1], group)
+
+
 def engine_forward(hf, dflash: dict, w: dict[str, torch.Tensor], context_taps: torch.Tensor,
                    block_embeds: torch.Tensor) -> torch.Tensor:
     """Final-normed hidden states [B, H] of one block after C context positions, in float32.
@@ -120,8 +145,9 @@ def engine_forward(hf, dflash: dict, w: dict[str, torch.Tensor], context_taps: t
     for i in range(hf.num_hidden_layers):
         p = f"layers.{i}."
         visible = _visible(hf, dflash, i, ctx.shape[0], x.shape[0])
-        x = x + _attention(hf, w, p, _rms(x, w[p + "input_layernorm.weight"], eps), ctx, visible)
+        attend = lambda h: _attention(hf, w, p, h, ctx, visible)  # noqa: E731 - the sublayer the conv wraps
+        x = x + _conv_sublayer(attend, _rms(x, w[p + "input_layernorm.weight"], eps), w, p + "attention_conv", dflash)
         gate, up = w[p + "mlp.gate_up_proj.weight"].float().split([inner, inner])
-        h = _rms(x, w[p + "post_attention_layernorm.weight"], eps)
-        x = x + _linear(F.silu(F.linear(h, gate)) * F.linear(h, up), w, p + "mlp.down_proj")
+        mlp = lambda h: _linear(F.silu(F.linear(h, gate)) * F.linear(h, up), w, p + "mlp.down_proj")  # noqa: E731
+        x = x + _conv_sublayer(mlp, _rms(x, w[p + "post_attention_layernorm.weight"], eps), w, p + "mlp_conv", dflash)
     return _rms(x, w["norm.weight"], eps)
