@@ -9,6 +9,7 @@ quarter of the head at inference and collapses acceptance (spec 1.7).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from dataclasses import fields as dataclass_fields
 
 from dflash_train.model.attention import FULL, SLIDING
 from dflash_train.model.taps import build_target_layer_ids
@@ -60,13 +61,16 @@ class DrafterConfig:
     extra: dict = field(default_factory=dict, compare=False)
     """Optional z-lab keys read from a published checkpoint, carried through unchanged."""
 
-    def __post_init__(self):
+    def __post_init__(self):  # noqa: C901 - normalisations, then validation
         if not self.layer_types:
             object.__setattr__(self, "layer_types", (FULL,) * self.num_layers)
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if SLIDING not in self.layer_types:  # meaningless without a sliding layer: one value, so configs compare equal
             object.__setattr__(self, "window_causal", True)
+        for name, owner in ARCH_FIELDS.items():  # another architecture's settings: the defaults, likewise
+            if self.arch != owner:
+                object.__setattr__(self, name, _FIELD_DEFAULTS[name])
         self.validate()
 
     @property
@@ -116,6 +120,12 @@ class DrafterConfig:
             raise ValueError(f"num_target_layers {self.num_target_layers} differs from the target's {target_num_layers}")
         if self.vocab_size != target_vocab_size:
             raise ValueError(f"vocab_size {self.vocab_size} differs from the target embedding rows {target_vocab_size}")
+
+
+ARCH_FIELDS = {"conv_kernel_size": "dflash2", "conv_group_size": "dflash2", "selector_rank": "dflash2",
+               "selector_top_k": "dflash2", "markov_rank": "dspark"}
+"""DrafterConfig fields that belong to one architecture (elsewhere they keep their defaults)."""
+_FIELD_DEFAULTS = {f.name: f.default for f in dataclass_fields(DrafterConfig)}
 
 
 def last_layer_tap_problem(target_layer_ids, num_target_layers: int) -> str | None:

@@ -100,7 +100,8 @@ class CandidateSelector(nn.Module):
     def pair_scores(self, rows: torch.Tensor, prev: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
         """sum_r P[prev, r] (W_h h)[r] S[c, r] for rows [T, H], prev [T] and candidates [T, k] token ids."""
         query = self.predecessor_codebook[prev] * self.hidden_projection(rows.to(self.hidden_projection.weight.dtype))
-        return torch.einsum("tr,tkr->tk", query.float(), self.successor_codebook[candidates].float())  # [T, k]
+        acc = torch.promote_types(query.dtype, torch.float32)  # scores in >= float32, as vLLM accumulates
+        return torch.einsum("tr,tkr->tk", query.to(acc), self.successor_codebook[candidates].to(acc))  # [T, k]
 
 
 class DFlash2Drafter(DFlashDrafter):
@@ -128,9 +129,10 @@ class DFlash2Drafter(DFlashDrafter):
     def extra_loss(self, rows, out, labels, prev, vocab_ids, weight: float, has_tv: bool):
         """The selector's k-way CE over the top-k plus the gold token (module doc), and the
         selector's greedy choice among the true top-k, both with the data's previous tokens."""
-        cand, u = out.topk_ids, out.topk_values.float()  # [T, k], lm_head row space
+        acc = torch.promote_types(rows.dtype, torch.float32)
+        cand, u = out.topk_ids, out.topk_values.to(acc)  # [T, k], lm_head row space
         extended = torch.cat([cand, labels[:, None]], 1)  # [T, k + 1]: the gold token appended
-        scores = torch.cat([u, out.label_logit.float()[:, None]], 1)
+        scores = torch.cat([u, out.label_logit.to(acc)[:, None]], 1)
         scores = scores + self.candidate_selector.pair_scores(rows, prev, _token_ids(extended, vocab_ids))
         gold_at = cand == labels[:, None]
         inside = gold_at.any(-1)
@@ -144,7 +146,8 @@ class DFlash2Drafter(DFlashDrafter):
 
     def greedy(self, rows, prev, logits_fn):
         unary, cand = logits_fn(rows).topk(self.candidate_selector.top_k, dim=-1)
-        scores = unary.float() + self.candidate_selector.pair_scores(rows, prev, cand)
+        scores = self.candidate_selector.pair_scores(rows, prev, cand)
+        scores = scores + unary.to(scores.dtype)
         return cand.gather(1, scores.argmax(-1, keepdim=True)).squeeze(1)
 
     def propose(self, rows, anchor: int, logits_fn, temperature: float, generator=None):
@@ -155,8 +158,8 @@ class DFlash2Drafter(DFlashDrafter):
         tokens, qs = [], []
         prev = torch.tensor([anchor], device=cand.device)
         for i in range(rows.shape[0]):
-            scores = unary[i].float() + self.candidate_selector.pair_scores(rows[i:i + 1], prev.to(rows.device),
-                                                                           cand[i:i + 1].to(rows.device))[0].to(cand.device)
+            pair = self.candidate_selector.pair_scores(rows[i:i + 1], prev.to(rows.device), cand[i:i + 1].to(rows.device))
+            scores = unary[i].to(pair.dtype) + pair[0].to(unary.device)
             if temperature <= 0:
                 pick = scores.argmax()
             else:

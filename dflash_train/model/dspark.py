@@ -68,8 +68,9 @@ class DSparkDrafter(DFlashDrafter):
     def extra_loss(self, rows, out, labels, prev, vocab_ids, weight: float, has_tv: bool):
         """The confidence head's binary cross-entropy against the acceptance probability (module doc)."""
         target = (1 - out.tv) if has_tv else out.label_logprob.exp()
-        logits = self.confidence_logits(rows, prev).float()
-        return weight * F.binary_cross_entropy_with_logits(logits, target.detach().float().clamp(0, 1),
+        logits = self.confidence_logits(rows, prev)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return weight * F.binary_cross_entropy_with_logits(logits, target.detach().to(logits.dtype).clamp(0, 1),
                                                             reduction="none"), None
 
     def _bias(self, prev: torch.Tensor) -> torch.Tensor:
