@@ -51,7 +51,8 @@ def describe_split(muon: list, adamw: list) -> str:
         numel = sum(p.numel() for _, p in named)
         names = list(dict.fromkeys(re.sub(r"\.\d+\.", ".*.", name) for name, _ in named))
         size = f"{numel * 4 / 2**20:.1f} MiB" if numel * 4 >= 2**20 else f"{numel * 4 / 2**10:.1f} KiB"
-        return f"optim: {label} {len(named)} tensors, {numel:,} parameters ({size} in float32): {', '.join(names) or '-'}"
+        return (f"optim: {label} {len(named)} tensors, {numel:,} parameters ({size} in float32): "
+                f"{', '.join(names) or '-'}")
     return part("Muon ", muon) + "\n" + part("AdamW", adamw)
 
 

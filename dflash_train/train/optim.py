@@ -167,8 +167,9 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     training follows float32 weights whose forward runs in bf16, as under autocast. Gradients are
     summed over micro-batches and drafter ranks in float32 too (`grads.Float32Grads`, which this
     optimizer then reads instead of the bf16 `.grad`); with one micro-batch and one rank the
-    update reads the bf16 `.grad` directly. `grad_scale` (a device tensor, set by `step.clip_and_step`) divides every gradient, as in the
-    fused AdamW. Build it on the float32 module (the masters are copied from it); the module is
+    update reads the bf16 `.grad` directly. `grad_scale` (a device tensor, set by
+    `step.clip_and_step`: the loss normaliser times the clip factor) divides every gradient, as in
+    the fused AdamW. Build it on the float32 module (the masters are copied from it); the module is
     then cast to `param_dtype` by `parallel.parallelize`, the one place that sets its dtype.
     """
 

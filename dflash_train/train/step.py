@@ -124,15 +124,15 @@ def train_step(model, optimizer, scheduler, mbs: list[MicroBatch], ctx: StepCont
     skips the update on the host (the reference a test compares the guard with).
     """
     grads32 = float32_grads(optimizer, len(mbs), ctx.num_drafters, ctx.dp_group)  # None: the .grads as they are
-    ddp = ctx.num_drafters > 1 and grads32 is None
-    factor = float(ctx.num_drafters) if ddp else 1.0  # DDP averages the ranks' gradients: make it their sum
+    ddp = ctx.num_drafters > 1 and grads32 is None  # parallelize wrapped the model
     total, losses = None, []
     for i, mb in enumerate(mbs):
         last = i == len(mbs) - 1
         sync = model.no_sync() if ddp and not last else contextlib.nullcontext()
         with sync:
             stats = forward_stats(model, to_device(mb, ctx.device), ctx)
-            (stats.loss_sum * factor if ddp else stats.loss_sum).backward()
+            # DDP averages the ranks' gradients: x D makes it their sum
+            (stats.loss_sum * ctx.num_drafters if ddp else stats.loss_sum).backward()
         if grads32 is not None:
             grads32.add(first=i == 0)
         losses.append(stats.loss_sum.detach().float().reshape(()))

@@ -104,8 +104,8 @@ def drafter_run(name: str, master: bool, num_drafters: int = 1, dp_group=None):
     dcfg = drafter_config_from_target(target.config, num_layers=1, block_size=4, mask_token_id=96, num_taps=3)
     drafter = DFlashDrafter(dcfg)
     drafter.reset_parameters(generator=torch.Generator().manual_seed(0))
-    optimizer, scheduler = build_optimizer(drafter.named_parameters(), OptimConfig(lr=1e-2, name=name, warmup_ratio=0.3),
-                                           10, master_weights=master)
+    cfg = OptimConfig(lr=1e-2, name=name, warmup_ratio=0.3)
+    optimizer, scheduler = build_optimizer(drafter.named_parameters(), cfg, 10, master_weights=master)
     model = parallelize(drafter, device=torch.device("cpu"), compile_model=False, dp_group=dp_group,
                         num_drafters=num_drafters, param_dtype=param_dtype(optimizer))
     ctx = StepContext(embed_weight=target.embed_weight, lm_head_weight=target.lm_head_weight, drafter=dcfg, gamma=2.0,

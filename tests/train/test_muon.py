@@ -95,7 +95,8 @@ def test_the_update_is_torch_muon_and_adamw_on_float32_parameters(master):
     model, opt = _ours(master)[:2]
     ref = Mixed()
     ref_muon = torch.optim.Muon([ref.up_proj, ref.down_proj], lr=LR, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
-    ref_adamw = torch.optim.AdamW([ref.norm, ref.bias, ref.markov_w1], lr=LR, betas=(0.9, 0.95), weight_decay=ADAMW_DECAY)
+    ref_adamw = torch.optim.AdamW([ref.norm, ref.bias, ref.markov_w1], lr=LR, betas=(0.9, 0.95),
+                                  weight_decay=ADAMW_DECAY)
     for step, lr in enumerate(lrs):
         for group in opt.param_groups:
             group["lr"] = lr
