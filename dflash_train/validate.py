@@ -29,15 +29,17 @@ POSITIVE = (
     "drafter.num_layers", "drafter.num_taps", "drafter.sliding_window", "drafter.init_norm_scale",
     "data.max_len", "data.max_samples", "data.text_prompt_tokens", "data.regen_max_new_tokens", "data.regen_batch_size", "data.shard_mb",
     "data.prepare_batch_tokens", "loss.gamma", "loss.chunk_tokens", "loss.train_vocab", "loss.temperature",
-    "optim.lr", "train.epochs", "train.max_steps", "train.max_minutes", "train.num_anchors", "train.seqs_per_step", "optim.muon_ns_steps",
+    "optim.lr", "train.epochs", "train.max_steps", "train.max_minutes", "train.num_anchors", "train.seqs_per_step",
     "train.micro_batch", "train.log_every", "train.eval_every", "train.ckpt_every", "train.keep_last",
     "train.watchdog_seconds", "topology.target_ranks", "topology.target_group_size", "topology.max_in_flight",
     "eval.max_new_tokens", "eval.sim_anchors_per_seq", "eval.block_size", "doctor.stage_timeout", "plan.gpus", "plan.gpu_memory_gib",
+    "optim.muon_ns_steps",
 )
 # Fields that must be >= 0 (when set).
 NON_NEGATIVE = (
-    "drafter.mask_token_id", "data.min_loss_tokens", "data.regen_temperature", "optim.weight_decay", "optim.muon_weight_decay",
+    "drafter.mask_token_id", "data.min_loss_tokens", "data.regen_temperature", "optim.weight_decay",
     "optim.grad_clip", "eval.num_prompts", "eval.temperature",
+    "optim.muon_weight_decay",
 )
 # Fields in a half-open [low, high) or closed [low, high] range: key -> (low, high, closed).
 RANGES = {
