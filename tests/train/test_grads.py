@@ -142,15 +142,18 @@ def assert_weights_close(got: dict, want: dict, start: dict, share: float) -> No
 
 @pytest.mark.parametrize("name,master", PATHS)
 def test_k_micro_batches_step_as_one_batch_of_k(name, master):
-    """3 micro-batches of 1 sequence against 1 micro-batch of 3, over 3 steps. The normaliser is the
-    weight sum of all of them (their weight sums differ), so a per-micro-batch normalisation changes
-    the gradient's direction and norm. float32 parameters: the same norms and weights to rounding.
-    bf16 masters: the bf16 forward of a row depends a little on its batch's shape, and Adam's first
-    steps (~lr * sign(g)) turn that noise into whole steps of the smallest gradients, so there only
-    the norm is compared: the first step's to 1e-4 (the sum and its normaliser), the next ones to
-    rounding amplified by the steps."""
+    """3 micro-batches of 1 sequence against 1 micro-batch of 3. The normaliser is the weight sum of
+    all of them (their weight sums differ), so a per-micro-batch normalisation changes the
+    gradient's direction and norm. AdamW over float32 parameters, 3 steps: the same norms and
+    weights to rounding. Muon, 1 step: its Newton-Schulz runs in bf16 and gives every direction of
+    a matrix the same step, the noise of a nearly-zero gradient's too, so float32 rounding grows
+    into whole steps of some weights after a few steps (measured: up to 40 % of a tensor's move
+    after 3). bf16 masters: the bf16 forward of a row depends a little on its batch's shape, and
+    Adam's first steps (~lr * sign(g)) turn that into whole steps of the smallest gradients, so only
+    the norms are compared: the first step's to 1e-4 (the sum and its normaliser), later ones to 2 %."""
+    steps = 1 if name == "muon" else STEPS
     start = weights(*drafter_run(name, master)[1:3])
-    split = [micro_batches(step, 3) for step in range(STEPS)]
+    split = [micro_batches(step, 3) for step in range(steps)]
     whole = [[concatenated(mbs)] for mbs in split]
     got, got_norms = train(name, master, split)
     want, want_norms = train(name, master, whole)
@@ -159,7 +162,7 @@ def test_k_micro_batches_step_as_one_batch_of_k(name, master):
         assert got_norms == pytest.approx(want_norms, rel=2e-2)
     else:
         assert got_norms == pytest.approx(want_norms, rel=1e-6)
-        assert_weights_close(got, want, start, share=1e-3 if name == "adamw" else 2e-2)
+        assert_weights_close(got, want, start, share=1e-3 if name == "adamw" else 5e-3)
 
 
 # --- D gloo ranks against one process ------------------------------------------------------------------
