@@ -2,8 +2,8 @@
 
 On CUDA the drafter's parameters are bf16 (the float32 masters live in the optimizer,
 `optim.MasterWeightAdamW`, `muon.MuonAdamW`), so autograd would sum the gradients of k micro-batches
-in bf16 (8 bits of mantissa: the k-th addend loses up to ~log2(k) of them), and DDP would reduce
-bf16 buckets across the drafter ranks. `Float32Grads` sums them as the masters are kept: after
+in bf16 (8 significant bits: every addition rounds the running sum to them, and a small addend
+next to a large sum is lost), and DDP would reduce bf16 buckets across the drafter ranks. `Float32Grads` sums them as the masters are kept: after
 each micro-batch's backward one for-each add moves every bf16 `.grad` into a float32 buffer (and
 drops the bf16 one, so the next backward starts a fresh bf16 gradient instead of adding into it),
 and after the last one a single float32 all-reduce of the flat buffer sums the drafter ranks (the

@@ -89,7 +89,7 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__init__(self.muon.param_groups + adamw.param_groups, {})
 
     def module_params(self) -> list[torch.Tensor]:
-        return self.params + self.adamw.module_params()
+        return self.params + [p for group in self.adamw.param_groups for p in group["params"]]
 
     def use_float32_grads(self, grads) -> None:
         self.float32_grads = grads
