@@ -6,6 +6,8 @@ compiled-vs-eager speed of the training attention.
     python bench/drafter_step.py --attention sdpa                  # dense-mask SDPA instead of flex
     python bench/drafter_step.py --small                           # tiny shapes, CPU, seconds
     python bench/drafter_step.py --precision fp8 --fp8-recipe rowwise   # float8 linears (torchao, sm89+)
+    python bench/drafter_step.py --optim muon                      # torch's Muon for the hidden matrices
+    python bench/drafter_step.py --micro-batches 8                 # 8 micro-batches per step (float32 sums)
 
 It runs the package's real step: `parallelize` (torch.compile of the drafter), `train_step`
 (analytic BlockMask, bf16 autocast, chunked lm_head + CE, clip, AdamW) on random weights and random
@@ -56,6 +58,10 @@ def parse(argv=None):
                    help="with --precision fp8: the loss's frozen lm_head matmuls in float8 too (train.fp8_lm_head)")
     p.add_argument("--fp8-filter", choices=("auto", "all"), default="auto",
                    help="with --precision fp8: which linears convert (train.fp8_filter: auto = torchao's size rule)")
+    p.add_argument("--optim", choices=("adamw", "muon"), default="adamw", help="optim.name (default adamw)")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="micro-batches per optimizer step (the same one repeated; > 1 sums the bf16 gradients "
+                        "in float32, train/grads.py); tokens and FLOPs count all of them")
     p.add_argument("--chunk-tokens", type=int, default=2048, help="lm_head/CE chunk rows (loss.chunk_tokens)")
     p.add_argument("--compile-loss", action=argparse.BooleanOptionalAction, default=None,
                    help="fuse the loss passes with torch.compile (default: as --compile)")
@@ -74,6 +80,8 @@ def parse(argv=None):
     a.steps = a.steps or (3 if a.small else 10)
     a.warmup = a.warmup if a.warmup is not None else (1 if a.small else 3)
     a.fp8_recipe = a.fp8_recipe or "tensorwise"
+    if a.micro_batches > 1 and a.compile_mode == "reduce-overhead":
+        p.error("--micro-batches > 1 with --compile-mode reduce-overhead: the step marks one CUDA-graph iteration")
     if a.fp8_lm_head and a.precision != "fp8":
         p.error("--fp8-lm-head needs --precision fp8 (as train.fp8_lm_head needs train.precision=fp8)")
     return a
@@ -93,13 +101,14 @@ def main(argv=None) -> int:
     compiled = a.compile if a.compile is not None else resolve_compile("auto", device)
     attn_ratio = a.attn_ratio if a.attn_ratio is not None else device.type == "cuda"
     taps_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    S, N, B, rows = a.seq_len, a.anchors, a.block_size, a.batch
+    S, N, B, rows, k = a.seq_len, a.anchors, a.block_size, a.batch, a.micro_batches
     b.info.update(device=str(device), backend=backend, compiled=compiled, seq_len=S, anchors=N, block_size=B,
-                  layers=a.layers, batch=rows, chunk_tokens=a.chunk_tokens, precision=a.precision,
+                  layers=a.layers, batch=rows, micro_batches=k, optim=a.optim, chunk_tokens=a.chunk_tokens,
+                  precision=a.precision,
                   fp8_recipe=a.fp8_recipe if a.precision == "fp8" else None,
                   fp8_filter=a.fp8_filter if a.precision == "fp8" else None)
     b.log(f"device {device}, attention {backend}, compile {compiled}, S={S} N={N} B={B} layers={a.layers} "
-          f"batch={rows}, precision {a.precision}{f' ({a.fp8_recipe})' if a.precision == 'fp8' else ''}, {a.warmup} warm-up + {a.steps} timed steps")
+          f"batch={rows} x {k} micro-batches, optim {a.optim}, precision {a.precision}{f' ({a.fp8_recipe})' if a.precision == 'fp8' else ''}, {a.warmup} warm-up + {a.steps} timed steps")
     st: dict = {}
 
     with b.phase("build"):
@@ -113,7 +122,7 @@ def main(argv=None) -> int:
 
         if a.compile_mode == "reduce-overhead":  # CUDA graphs: a new iteration (one micro-batch per step)
             torch.compiler.cudagraph_mark_step_begin()
-        stats, grad_norm, _ = train_step(st["model"], st["optimizer"], st["scheduler"], [st["mb"]], st["ctx"], 1.0)
+        stats, grad_norm, _ = train_step(st["model"], st["optimizer"], st["scheduler"], [st["mb"]] * k, st["ctx"], 1.0)
         st["last"] = (stats, grad_norm)
 
     health = C.compile_health_module() if compiled else None
@@ -139,14 +148,14 @@ def main(argv=None) -> int:
             C.reset_peak_memory(device)
             times = C.time_calls(step, a.steps, device)
             med = C.median(times)
-            tokens = rows * S
+            tokens = rows * S * k
             b.figure("step_time_median_s", med)
             b.figure("step_time_mean_s", sum(times) / len(times))
             b.figure("tokens_per_s", tokens / med, "sequence tokens S per second")
-            b.figure("drafter_tflops_achieved", st["flops"]["drafter"]["train"] / med / 1e12)
-            C.report_mfu(b, st, st["flops"]["drafter"]["train"] / med, "drafter train FLOPs")
+            b.figure("drafter_tflops_achieved", k * st["flops"]["drafter"]["train"] / med / 1e12)
+            C.report_mfu(b, st, k * st["flops"]["drafter"]["train"] / med, "drafter train FLOPs")
             if device.type == "cuda":
-                b.figure("mfu_vs_790", st["flops"]["drafter"]["train"] / med / (C.ISSUE_PEAK_TFLOPS * 1e12))
+                b.figure("mfu_vs_790", k * st["flops"]["drafter"]["train"] / med / (C.ISSUE_PEAK_TFLOPS * 1e12))
                 b.figure("peak_memory_gib", C.peak_memory_gib(device), "max_memory_allocated, timed steps")
                 b.figure("speedup_vs_speculators", tokens / med / C.SPECULATORS["tok_s"],
                          "against speculators 0.9.0's 18.5K tok/s of 2026-12-01 (another call: for a gain, "
@@ -160,7 +169,7 @@ def main(argv=None) -> int:
             for _ in range(a.steps):
                 step()
             C.sync(device)
-            b.figure("tokens_per_s_back_to_back", rows * S * a.steps / (time.perf_counter() - t0),
+            b.figure("tokens_per_s_back_to_back", rows * S * k * a.steps / (time.perf_counter() - t0),
                      "no sync between steps")
 
         if compiled:
@@ -216,8 +225,9 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
     b.info["fp8_lm_head"] = bool(a.fp8_lm_head)
     if a.master_weights and device.type != "cuda":
         raise ValueError("--master-weights needs CUDA: the bf16 weights rely on bf16 autocast; CPU steps run in float32")
-    optimizer, scheduler = build_optimizer(drafter.parameters(), OptimConfig(), 1000, master_weights=a.master_weights)
-    b.info["master_weights"] = type(optimizer).__name__ != "AdamW"
+    optimizer, scheduler = build_optimizer(drafter.named_parameters(), OptimConfig(name=a.optim), 1000,
+                                           master_weights=a.master_weights, log=b.log)
+    b.info["master_weights"] = param_dtype(optimizer) is not None
     model = parallelize(drafter, device=device, compile_model=compiled, dp_group=None, num_drafters=1,
                         param_dtype=param_dtype(optimizer), compile_mode=a.compile_mode, precision=a.precision,
                         fp8_recipe=a.fp8_recipe, fp8_filter=a.fp8_filter, log=b.log)
@@ -225,7 +235,7 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
     flops = C.flops_for(tcfg, dcfg, seq_len=S, num_anchors=N, batch=rows, mean_ctx=C.mean_context(mb))
     params = sum(p.numel() for p in drafter.parameters())
     b.figure("drafter_params_m", params / 1e6)
-    b.figure("tflop_per_step", flops["drafter"]["train"] / 1e12,
+    b.figure("tflop_per_step", a.micro_batches * flops["drafter"]["train"] / 1e12,
              f"model FLOPs, visible-mask attention (density {flops['visible_fraction']:.3f})")
     b.log(f"drafter {dcfg.num_layers} layers, hidden {dcfg.hidden_size}, taps {dcfg.target_layer_ids}, "
           f"{params / 1e6:.1f}M params; taps {tuple(mb.taps.shape)} {taps_dtype}")

@@ -189,7 +189,19 @@ class OptimConfig:
     master_weights: bool = True
     """On CUDA (bf16 compute): the drafter's parameters are bf16 and the optimizer keeps their float32
     master copies (train/optim.py MasterWeightAdamW): no weight casts in the step, one lean update
-    kernel. False keeps float32 parameters under autocast. CPU training is float32 either way."""
+    kernel; gradients are summed over micro-batches and drafter ranks in float32 (train/grads.py).
+    False keeps float32 parameters under autocast. CPU training is float32 either way."""
+    name: Literal["adamw", "muon"] = "adamw"
+    """adamw: AdamW for every drafter parameter | muon: torch.optim.Muon for the 2-D hidden matrices
+    (train/muon.py: the projections and fc, not norms, biases, codebooks or target-tied tables), AdamW
+    (weight_decay, betas) for the rest; one lr and schedule for both (Muon's match_rms_adamw scaling)."""
+    muon_weight_decay: float = 0.1
+    """Muon's decoupled weight decay (lr * this per step), torch's and speculators' 0.1; the AdamW part
+    keeps weight_decay."""
+    muon_momentum: float = 0.95
+    """Muon's (Nesterov) momentum, in [0, 1)."""
+    muon_ns_steps: int = 5
+    """Newton-Schulz iterations per Muon step (torch's default; each costs ~3 matmuls per matrix)."""
 
 
 RESUME_CHANGEABLE = ("data", "target", "tokenizer", "drafter")  # train.allow_changed's values

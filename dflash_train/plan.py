@@ -11,9 +11,10 @@ Target process (frozen, no grad, no KV cache):
 - taps: K x H per token twice (each tapped layer's output, then their concatenation).
 
 Drafter process (bf16 weights, float32 masters and Adam moments in `MasterWeightAdamW`):
-- state: 2 (bf16 weight) + 4 (master) + 8 (moments) = 14 B/param, plus 2 B of bf16 gradient when
-  micro-batches accumulate (the first micro-batch's forward peaks before any gradient exists). The
-  optimizer streams 28 B/param per update (train/optim.py), but holds 14-16;
+- state: 2 (bf16 weight) + 4 (master) + 8 (moments) = 14 B/param, plus 4 B of float32 gradient sums
+  when micro-batches accumulate (train/grads.py: allocated once, alive through every forward; the
+  bf16 gradients live only from a backward to the sum's add after it). The optimizer streams
+  28 B/param per update (train/optim.py), but holds 14-18;
 - the target's frozen embedding and lm_head (bf16; shared with the target when colocated);
 - activations saved for backward, per block token (N x B per sequence) and drafter layer: 4 H
   (residual, normed input, post-attention residual and norm), 3 q (q, normed q, attention
@@ -48,7 +49,7 @@ from dflash_train.model.config import DrafterConfig, drafter_config_from_target
 GIB = 2**30
 BF16 = 2
 DRAFTER_STATE_BYTES = 2 + 4 + 8  # bf16 weight, float32 master, two float32 Adam moments
-GRAD_BYTES = 2  # bf16 gradients, alive at the peak only when micro-batches accumulate
+GRAD_BYTES = 4  # float32 gradient sums (train/grads.py), which exist only when micro-batches accumulate
 GROUP_STYLES = [(size, parallel) for size in (2, 4, 8) for parallel in ("tensor", "pipeline")]
 """Target groups `layouts` tries when one target does not fit a GPU (topology.target_group_size,
 topology.target_parallel)."""

@@ -35,17 +35,20 @@ POSITIVE = (
     "train.micro_batch", "train.log_every", "train.eval_every", "train.ckpt_every", "train.keep_last",
     "train.watchdog_seconds", "topology.target_ranks", "topology.target_group_size", "topology.max_in_flight",
     "eval.max_new_tokens", "eval.sim_anchors_per_seq", "eval.block_size", "doctor.stage_timeout", "plan.gpus", "plan.gpu_memory_gib",
+    "optim.muon_ns_steps",
 )
 # Fields that must be >= 0 (when set).
 NON_NEGATIVE = (
     "drafter.mask_token_id", "loss.head_weight", "data.min_loss_tokens", "data.regen_temperature", "optim.weight_decay",
     "optim.grad_clip", "eval.num_prompts", "eval.temperature",
+    "optim.muon_weight_decay",
 )
 # Fields in a half-open [low, high) or closed [low, high] range: key -> (low, high, closed).
 RANGES = {
     "data.eval_fraction": (0.0, 1.0, False),
     "optim.warmup_ratio": (0.0, 1.0, False),
     "optim.min_lr_ratio": (0.0, 1.0, True),
+    "optim.muon_momentum": (0.0, 1.0, False),
     "loss.kl_weight": (0.0, 1.0, True),
     "loss.tv_weight": (0.0, 1.0, True),
 }
@@ -92,6 +95,8 @@ def config_problems(cfg: RunConfig) -> list[str]:
     beta1, beta2 = cfg.optim.betas
     if not (0 <= beta1 < 1 and 0 <= beta2 < 1):
         problems.append(f"optim.betas={cfg.optim.betas}: both must be in [0, 1)")
+    if cfg.optim.muon_ns_steps >= 100:
+        problems.append(f"optim.muon_ns_steps={cfg.optim.muon_ns_steps}: must be < 100 (torch.optim.Muon's bound)")
     if cfg.target.layer_ids is not None and (min(cfg.target.layer_ids, default=0) < 0 or not cfg.target.layer_ids):
         problems.append(f"target.layer_ids={cfg.target.layer_ids}: expected non-negative layer indices")
     unknown = [part for part in cfg.train.allow_changed if part not in RESUME_CHANGEABLE]

@@ -225,7 +225,8 @@ def _build_training(p: Process, s: Setup) -> Training:
     drafter = setup.init_drafter(s.dcfg, s.target, cfg.train.seed, cfg.drafter.init_from_target, p.device,
                                  cfg.drafter.init_norm_scale)
     budget = TimeBudget(cfg.train.max_minutes, s.total_steps)
-    optimizer, scheduler = build_optimizer(drafter.parameters(), cfg.optim, s.total_steps, budget=budget)
+    optimizer, scheduler = build_optimizer(drafter.named_parameters(), cfg.optim, s.total_steps, budget=budget,
+                                           log=p.log if p.topo.is_main else None)
     source = build_source(s.feed, p.topo, s.target, list(s.dcfg.target_layer_ids), p.device, s.total_steps,
                           s.data.stored)
     held_out = source.held_out()

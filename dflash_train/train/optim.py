@@ -1,8 +1,16 @@
-"""AdamW with linear warm-up and cosine decay (paper: lr 6e-4, warm-up 4%, clip 1.0).
+"""The optimizer (AdamW, or Muon + AdamW: `optim.name`) with linear warm-up and cosine decay
+(paper: AdamW, lr 6e-4, warm-up 4%, clip 1.0).
 
 The lr is a pure function of the step and of recorded numbers, so every run can be replayed:
 without a time budget the cosine runs over `total_steps`; with one (`train.max_minutes`) it runs
 over the step count the budget was measured to allow (`TimeBudget`, a recorded decision).
+
+What `step.train_step` asks of an optimizer, beyond torch's: it divides every gradient by
+`grad_scale` (a device tensor: the global loss-weight sum times the clip factor) where it can
+(torch's fused AdamW, `MasterWeightAdamW`, `muon.MuonAdamW`; otherwise the step divides them in
+place), and skips a step exactly on `found_inf` (`step_unless`). Optimizers over bf16 parameters
+(`param_dtype`) keep float32 masters (`full_precision_weights`) and read float32 gradient sums
+(`grads.Float32Grads`) where a step has several micro-batches or drafter ranks.
 """
 
 from __future__ import annotations
@@ -14,6 +22,7 @@ import time
 import torch
 
 from dflash_train.config import OptimConfig
+from dflash_train.train.muon import MuonAdamW, describe_split, muon_split
 
 DECIDE_AFTER = 30  # a time budget decides the step count after this many steps ...
 MEASURE_AFTER = 10  # ... from the rate over the steps after this many: compilation, autotuning and
@@ -94,30 +103,54 @@ def lr_factor(step: int, total_steps: int, warmup_ratio: float, min_ratio: float
 
 
 def build_optimizer(params, cfg: OptimConfig, total_steps: int, budget: TimeBudget | None = None,
-                    master_weights: bool | None = None):
-    """AdamW over the trainable parameters and its LambdaLR schedule (both resumable; with a
-    `budget`, the cosine ends at its recorded decision once made).
+                    master_weights: bool | None = None, log=None):
+    """The optimizer over the trainable parameters and its LambdaLR schedule (both resumable; with a
+    `budget`, the cosine ends at its recorded decision once made). `params`: a module's
+    `named_parameters()` (`optim.name=muon` splits by name) or its `parameters()` (AdamW only).
+
     Which AdamW follows from the parameters' device: on CUDA MasterWeightAdamW (float32 masters,
     compiled update; `parallel.parallelize` then casts the module to its `param_dtype`) when
     `master_weights` (default: `cfg.master_weights`), else torch's fused AdamW; on the CPU torch's
-    AdamW over float32 parameters."""
-    params = [p for p in params if p.requires_grad]
-    cuda = params[0].device.type == "cuda"
-    if master_weights if master_weights is not None else cuda and cfg.master_weights:
-        optimizer = MasterWeightAdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
-                                      compiled=cuda)
-    else:
-        optimizer = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
-                                      **({"fused": True} if cuda else {}))
+    AdamW over float32 parameters. `optim.name=muon` gives the hidden matrices to torch's Muon
+    (`muon.MuonAdamW`, float32 masters where the AdamW part has them) and logs the split once."""
+    named = [item if isinstance(item, tuple) else (None, item) for item in params]
+    named = [(name, p) for name, p in named if p.requires_grad]
+    cuda = named[0][1].device.type == "cuda"
+    master = master_weights if master_weights is not None else cuda and cfg.master_weights
+    if cfg.name == "muon":
+        if any(name is None for name, _ in named):
+            raise ValueError("optim.name=muon splits the parameters by name: pass module.named_parameters()")
+        muon, adamw = muon_split(named)
+        if not muon:
+            raise ValueError("optim.name=muon: the drafter has no 2-D hidden matrix for Muon")
+        if log is not None:
+            log(describe_split(muon, adamw))
+        named = adamw
+    optimizer = _adamw([p for _, p in named], cfg, cuda, master)
+    if cfg.name == "muon":
+        optimizer = MuonAdamW([p for _, p in muon], optimizer, lr=cfg.lr, weight_decay=cfg.muon_weight_decay,
+                              momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps, master=master)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, cfg.warmup_ratio, cfg.min_lr_ratio,
                                           budget.steps if budget else None))
     return optimizer, scheduler
 
 
+def _adamw(params: list, cfg: OptimConfig, cuda: bool, master: bool):
+    if master:
+        return MasterWeightAdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay, compiled=cuda)
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay,
+                             **({"fused": True} if cuda else {}))
+
+
 def param_dtype(optimizer) -> torch.dtype | None:
     """The dtype the module's parameters must have for this optimizer (None: leave them)."""
-    return optimizer.param_dtype if isinstance(optimizer, MasterWeightAdamW) else None
+    return getattr(optimizer, "param_dtype", None)
+
+
+def divides_gradients(optimizer) -> bool:
+    """Whether the optimizer's step divides every gradient by its `grad_scale` itself."""
+    return isinstance(optimizer, (MasterWeightAdamW, MuonAdamW)) or bool(optimizer.defaults.get("fused"))
 
 
 class MasterWeightAdamW(torch.optim.Optimizer):
@@ -131,10 +164,12 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     float32 master and moments and writes them back with the new bf16 weight: 28 bytes, no casts.
 
     The arithmetic is torch.optim.AdamW's (single-tensor path, float32) applied to the masters, so
-    training follows float32 weights whose forward runs in bf16, as under autocast. What differs:
-    gradients accumulate over micro-batches (and DDP reduces them) in bf16.
-    `grad_scale` (a device tensor, set by `step.clip_and_step`) divides every gradient, as in the
-    fused AdamW. Build it on the float32 module (the masters are copied from it); the module is
+    training follows float32 weights whose forward runs in bf16, as under autocast. Gradients are
+    summed over micro-batches and drafter ranks in float32 too (`grads.Float32Grads`, which this
+    optimizer then reads instead of the bf16 `.grad`); with one micro-batch and one rank the
+    update reads the bf16 `.grad` directly. `grad_scale` (a device tensor, set by
+    `step.clip_and_step`: the loss normaliser times the clip factor) divides every gradient, as in
+    the fused AdamW. Build it on the float32 module (the masters are copied from it); the module is
     then cast to `param_dtype` by `parallel.parallelize`, the one place that sets its dtype.
     """
 
@@ -144,6 +179,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         self.param_dtype = param_dtype
         self.grad_scale: torch.Tensor | None = None
         self.found_inf: torch.Tensor | None = None  # 1.0 on the device: skip this step (`step_unless`)
+        self.float32_grads = None  # grads.Float32Grads, when a step sums several gradients
         self._update = torch.compile(_adamw_update, fullgraph=True, dynamic=False) if compiled else _adamw_update
         for p in self._params():
             self.state[p].update(step=torch.zeros((), device=p.device), master=p.detach().float().clone(),
@@ -153,23 +189,32 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     def _params(self):
         return [p for group in self.param_groups for p in group["params"]]
 
+    def module_params(self) -> list[torch.Tensor]:
+        return self._params()
+
+    def use_float32_grads(self, grads) -> None:
+        """Read the step's gradients from `grads` (a grads.Float32Grads) from now on."""
+        self.float32_grads = grads
+
     @torch.no_grad()
     def step(self, closure=None):
         """One AdamW step; with `found_inf` (a device float tensor, 1 = skip, set by `step_unless`)
         at 1 it leaves the weights, moments and step count exactly as they were, decided on the
         device (no host sync): the step count lives on the device, and the bias corrections are
         computed there from it."""
+        f32 = self.float32_grads
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
+            params = [p for p in group["params"] if (f32.has(p) if f32 is not None else p.grad is not None)]
             if not params:
                 continue
+            grads = [f32.grad(p) for p in params] if f32 is not None else [p.grad for p in params]
             device = params[0].device
             states = [self.state[p] for p in params]
             skip = self.found_inf if self.found_inf is not None else torch.zeros((), device=device)
             apply = 1.0 - skip
             torch._foreach_add_([s["step"] for s in states], apply)
             scale = self.grad_scale if self.grad_scale is not None else torch.ones((), device=device)
-            self._update(params, [p.grad for p in params], [s["master"] for s in states],
+            self._update(params, grads, [s["master"] for s in states],
                          [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
                          self._hyper(group, device), states[0]["step"], apply, scale)
 
@@ -252,8 +297,9 @@ def step_unless(optimizer, skip: torch.Tensor) -> None:
     they were. MasterWeightAdamW and torch's fused AdamW decide inside their kernels (the
     `found_inf` input GradScaler uses), so the host never waits for the flag. torch's for-each
     AdamW has no such input: it reads the flag on the host, which costs nothing on the CPU, where
-    it is used (`build_optimizer`)."""
-    if isinstance(optimizer, MasterWeightAdamW) or optimizer.defaults.get("fused"):
+    it is used (`build_optimizer`). MuonAdamW takes the flag like the fused AdamW and reads it on
+    the host for its Muon part only (muon.py)."""
+    if divides_gradients(optimizer):
         optimizer.found_inf = skip
         optimizer.step()
     elif not bool(skip):
@@ -261,7 +307,8 @@ def step_unless(optimizer, skip: torch.Tensor) -> None:
 
 
 def full_precision_weights(optimizer):
-    """The parameters as a checkpoint must store them: the masters of a MasterWeightAdamW, else as is."""
-    if isinstance(optimizer, MasterWeightAdamW):
+    """The parameters as a checkpoint must store them: the masters of a MasterWeightAdamW (or of a
+    MuonAdamW's parts), else as is."""
+    if hasattr(optimizer, "full_precision_weights"):
         return optimizer.full_precision_weights()
     return contextlib.nullcontext()

@@ -85,8 +85,11 @@ def parallelize(drafter: nn.Module, *, device: torch.device, compile_model: bool
                 compile_mode: str | None = None, precision: str = "bf16", fp8_recipe: str = "tensorwise",
                 fp8_filter: str = "auto", log=print) -> nn.Module:
     """Return the module the training step calls: parameters cast to `param_dtype` (None: as
-    they are), linear layers in float8 if `precision` is fp8, DDP-wrapped if D > 1, then compiled
-    (optional).
+    they are), linear layers in float8 if `precision` is fp8, DDP-wrapped if D > 1 and the
+    parameters stay float32, then compiled (optional). bf16 parameters (an optimizer with float32
+    masters) are not wrapped: DDP would reduce their gradients in bf16; the step sums them in
+    float32 instead (`grads.Float32Grads`: one float32 all-reduce per step, and rank 0's weights
+    broadcast once at the first step, as DDP's constructor does).
 
     Compiling the DDP module (not wrapping a compiled one) lets dynamo's DDP optimizer split the
     graph at gradient-bucket boundaries, so all-reduces overlap the backward; the float8 casts
@@ -100,7 +103,7 @@ def parallelize(drafter: nn.Module, *, device: torch.device, compile_model: bool
         converted, skipped = convert_to_fp8(drafter, fp8_recipe, fp8_filter)
         log(describe_conversion("drafter", f"{fp8_recipe}, filter {fp8_filter}", converted, skipped, drafter))
     model = drafter
-    if num_drafters > 1:
+    if num_drafters > 1 and param_dtype is None:
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None, process_group=dp_group,
                     gradient_as_bucket_view=True)
     if compile_model:

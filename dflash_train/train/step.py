@@ -1,9 +1,13 @@
 """One optimizer step of the drafter over its micro-batches, and the forward it is made of.
 
-The step's loss is normalised by the loss-weight sum of the *global* batch (all micro-batches of
-all drafter ranks), which depends only on the data, so it is known before the forward: one small
-all-reduce per step, no host sync inside the step. DDP averages gradients over D ranks, hence
-the factor D in `scale`.
+The step's loss is normalised by the loss-weight sum W of the *global* batch (all micro-batches of
+all drafter ranks). The weights may depend on the forward (D-PACE weights come from the per-slot
+cross-entropy), so W is known only after every forward: each micro-batch backpropagates its
+unnormalised `loss_sum` (times D under DDP, which averages over the D ranks), and the summed
+gradient is divided by W afterwards, inside the optimizer's update where it divides every gradient
+anyway (`grad_scale` = W x the clip factor; the clip norm is that of the normalised gradient,
+norm_raw / W). W and the ranks' non-finite flags travel in one small all-reduce per step; nothing
+here waits for the device.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from dflash_train.model.attention import MaskSpec, PersistentMasks, build_traini
 from dflash_train.model.config import DrafterConfig
 from dflash_train.model.logits import LogitTransform
 from dflash_train.train.batching import MicroBatch, host_to_device, to_device
+from dflash_train.train.grads import float32_grads
 from dflash_train.train.loss import CE, LossMix, LossStats, Objective, block_loss, slot_weights, teacher_hidden_at
+from dflash_train.train.optim import divides_gradients, step_unless
 from dflash_train.train.softmax_rows import RowsSpec
-from dflash_train.train.optim import MasterWeightAdamW, step_unless
 from dflash_train.train.vocab import VocabSubset
 
 
@@ -122,83 +127,109 @@ def forward_stats(model, batch: dict, ctx: StepContext) -> LossStats:
                           vocab_ids)
 
 
-def global_weight_sum(mbs: list[MicroBatch], ctx: StepContext) -> torch.Tensor:
-    total = host_to_device(sum(loss_weight_sum(mb, ctx) for mb in mbs), ctx.device)
+def global_weight_sum(weight_sum: torch.Tensor, losses: torch.Tensor, ctx: StepContext
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W, bad ranks): the loss-weight sum over the global batch (this rank's micro-batches'
+    `LossStats.weight_sum`, summed over the drafter ranks) and the number of drafter ranks with a
+    non-finite micro-batch loss (`losses` [m], this rank's): one all-reduce of two float32 numbers,
+    no host sync."""
+    local = torch.stack([weight_sum.detach().float().reshape(()),
+                         (~torch.isfinite(losses)).any().float()])
     if ctx.num_drafters > 1:
-        dist.all_reduce(total, group=ctx.dp_group)
-    return total
+        dist.all_reduce(local, group=ctx.dp_group)
+    return local[0], local[1]
 
 
 def train_step(model, optimizer, scheduler, mbs: list[MicroBatch], ctx: StepContext, grad_clip: float,
                apply: bool = True) -> tuple[LossStats, torch.Tensor, torch.Tensor]:
-    """Forward/backward over the micro-batches (gradient accumulation), clip, optimizer step,
-    guarded: a step whose loss or gradient norm is not finite is not applied (`step_unless`).
+    """Forward/backward over the micro-batches (gradient accumulation), normalise, clip, optimizer
+    step, guarded: a step whose loss or gradient norm is not finite is not applied (`step_unless`).
 
-    Returns the summed LossStats of this rank, the pre-clip gradient norm and the step's
-    `health_flags` (device tensors; nothing here waits for the device). `apply=False` skips the
-    update on the host (the reference a test compares the guard with).
+    Returns the summed LossStats of this rank, the pre-clip norm of the normalised gradient and
+    the step's `health_flags` (device tensors; nothing here waits for the device). `apply=False`
+    skips the update on the host (the reference a test compares the guard with).
     """
-    scale = ctx.num_drafters / global_weight_sum(mbs, ctx).clamp(min=1e-9)
+    grads32 = float32_grads(optimizer, len(mbs), ctx.num_drafters, ctx.dp_group)  # None: the .grads as they are
+    ddp = ctx.num_drafters > 1 and grads32 is None  # parallelize wrapped the model
     total, losses = None, []
     for i, mb in enumerate(mbs):
         last = i == len(mbs) - 1
-        sync = model.no_sync() if hasattr(model, "no_sync") and not last else contextlib.nullcontext()
+        sync = model.no_sync() if ddp and not last else contextlib.nullcontext()
         with sync:
             stats = forward_stats(model, to_device(mb, ctx.device), ctx)
-            (stats.loss_sum * scale.to(stats.loss_sum.dtype)).backward()
+            # DDP averages the ranks' gradients: x D makes it their sum
+            (stats.loss_sum * ctx.num_drafters if ddp else stats.loss_sum).backward()
+        if grads32 is not None:
+            grads32.add(first=i == 0)
         losses.append(stats.loss_sum.detach().float().reshape(()))
         total = stats.detach() if total is None else total + stats.detach()
-    params = [p for p in model.parameters() if p.grad is not None]
-    grad_norm = total_grad_norm(params)
-    flags = health_flags(torch.stack(losses), grad_norm, ctx.num_drafters, ctx.dp_group)
+    losses = torch.stack(losses)
+    weight_sum, bad_ranks = global_weight_sum(total.weight_sum, losses, ctx)
+    weight_sum = weight_sum.clamp(min=1e-9)
+    if grads32 is not None:
+        grads32.reduce()
+        params = grads32.stepped()
+        grads = [grads32.grad(p) for p in params]
+    else:
+        params = [p for p in model.parameters() if p.grad is not None]
+        grads = [p.grad for p in params]
+    grad_norm = total_grad_norm(grads) / weight_sum
+    flags = health_flags(losses, grad_norm, bad_ranks)
     if apply:
-        clip_and_step(optimizer, params, grad_clip, flags[0], grad_norm)
+        clip_and_step(optimizer, params, grad_clip, flags[0], grad_norm, weight_sum, grads)
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()  # a skipped step still spends its step number: the lr stays a function of the step
     return total, grad_norm, flags
 
 
-def health_flags(losses: torch.Tensor, grad_norm: torch.Tensor, num_drafters: int = 1, dp_group=None
+def health_flags(losses: torch.Tensor, grad_norm: torch.Tensor, bad_ranks: torch.Tensor | None = None
                  ) -> torch.Tensor:
     """[1 + m] float32: [skip, bad micro-batch 0, ..., m-1]. A micro-batch is bad when its loss is
-    not finite; the step is skipped when any drafter rank has a bad micro-batch or the (reduced,
-    hence common) gradient norm is not finite. The MAX all-reduce makes every rank skip the same
-    steps (a NaN loss on one rank usually reaches the others through DDP's gradients, but the
-    weights must never diverge on a 'usually'); it is one more tiny collective, no host sync."""
+    not finite; the step is skipped when any drafter rank has a bad micro-batch (`bad_ranks`, the
+    count `global_weight_sum` reduced; this rank's own are counted without it) or the gradient
+    norm (reduced, hence common) is not finite. All ranks thus skip the same steps (a NaN loss on
+    one rank usually reaches the others through the gradient sum, but the weights must never
+    diverge on a 'usually')."""
     bad_mbs = (~torch.isfinite(losses)).float()
     skip = (~torch.isfinite(grad_norm)).float().reshape(1)
     if bad_mbs.numel():
         skip = torch.maximum(skip, bad_mbs.max())
-    if num_drafters > 1:
-        dist.all_reduce(skip, op=dist.ReduceOp.MAX, group=dp_group)
+    if bad_ranks is not None:
+        skip = torch.maximum(skip, (bad_ranks > 0).float().reshape(1))
     return torch.cat([skip, bad_mbs])
 
 
 def clip_and_step(optimizer, params: list, max_norm: float, skip: torch.Tensor | None = None,
-                  norm: torch.Tensor | None = None) -> torch.Tensor:
-    """Clip the gradients to a total norm of `max_norm` and take the optimizer step, unless
-    `skip` (a 0/1 device tensor, `health_flags`) is 1; returns the pre-clip norm (a float32
-    device tensor, no host sync; pass `norm` when already computed).
+                  norm: torch.Tensor | None = None, weight_sum: torch.Tensor | None = None,
+                  grads: list | None = None) -> torch.Tensor:
+    """Normalise the gradients (divide by `weight_sum`, the loss normaliser; None: 1), clip them to
+    a total norm of `max_norm` and take the optimizer step, unless `skip` (a 0/1 device tensor,
+    `health_flags`) is 1; returns the pre-clip norm of the normalised gradient (a float32 device
+    tensor, no host sync; pass `norm` when already computed). `grads` (default: the `.grad`s of
+    `params`) are what the optimizer will read: float32 sums where `grads.Float32Grads` made them.
 
-    A fused AdamW (and MasterWeightAdamW) applies the clip inside its kernel: it divides every
-    gradient by `grad_scale` (the hook GradScaler uses), so `clip_grad_norm_`'s separate
-    read-multiply-write pass over all gradients goes (2.3 ms at the paper's shapes; the AdamW
-    kernel spends 1.5 ms of it back). Same arithmetic: g / ((norm + 1e-6) / max_norm) ==
-    g * (max_norm / (norm + 1e-6)), both only when the norm exceeds max_norm. The norm is summed
-    in float32 also over bf16 gradients.
+    Optimizers that divide every gradient by `grad_scale` (the hook GradScaler uses: torch's fused
+    AdamW, MasterWeightAdamW, MuonAdamW) get the normaliser and the clip in it, so neither costs a
+    pass over the gradients (`clip_grad_norm_`'s read-multiply-write pass was 2.3 ms at the paper's
+    shapes; the AdamW kernel spends 1.5 ms of it back). Same arithmetic as clipping the normalised
+    gradient: g / W / ((norm + 1e-6) / max_norm), only when the norm exceeds max_norm. Others (the
+    for-each AdamW of the CPU) get one in-place multiply. The norm is summed in float32 also over
+    bf16 gradients.
     """
-    norm = total_grad_norm(params) if norm is None else norm
-    if optimizer.defaults.get("fused") or isinstance(optimizer, MasterWeightAdamW):
-        optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0)
+    grads = [p.grad for p in params] if grads is None else grads
+    weight_sum = torch.ones((), device=grads[0].device) if weight_sum is None else weight_sum
+    norm = total_grad_norm(grads) / weight_sum if norm is None else norm
+    if divides_gradients(optimizer):
+        optimizer.grad_scale = weight_sum * ((norm + 1e-6) / max_norm).clamp(min=1.0)
     else:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        torch._foreach_mul_(grads, (max_norm / (norm + 1e-6)).clamp(max=1.0) / weight_sum)
     step_unless(optimizer, skip if skip is not None else torch.zeros((), device=norm.device))
     return norm
 
 
-def total_grad_norm(params: list) -> torch.Tensor:
-    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm([p.grad for p in params], 2,
-                                                                    dtype=torch.float32)))
+def total_grad_norm(grads: list) -> torch.Tensor:
+    """The 2-norm of all `grads` together, summed in float32."""
+    return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
 
 
 def reduce_stats(stats: LossStats, ctx: StepContext) -> LossStats:

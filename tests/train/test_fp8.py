@@ -153,6 +153,41 @@ def test_master_weight_optimizer_owns_the_float8_weights():
             assert not torch.equal(master, reference[name])
 
 
+def test_muon_and_float32_sums_own_the_float8_weights():
+    """optim.name=muon on a float8 drafter (bf16 parameters, float32 masters): Muon's matrices are the
+    Float8Linear weights themselves, two micro-batches are summed in float32 (train/grads.py), and
+    the step writes every master, rounded, into the module's weights."""
+    from dflash_train.config import OptimConfig
+    from dflash_train.train.grads import float32_grads
+    from dflash_train.train.optim import build_optimizer
+    from dflash_train.train.step import clip_and_step
+
+    drafter = _drafter()
+    reference = {n: p.detach().clone() for n, p in drafter.named_parameters()}
+    opt, _ = build_optimizer(drafter.named_parameters(), OptimConfig(name="muon", lr=1e-2), 10, master_weights=True)
+    apply_precision(drafter, param_dtype(opt))
+    convert_to_fp8(drafter, "tensorwise", "all")
+    assert {id(p) for p in opt.params} == {id(drafter.get_submodule(n).weight) for n in LINEARS}
+    sums = float32_grads(opt, micro_batches=2)
+    for i in range(2):
+        taps = torch.randn(2, 32, 3 * 64, generator=torch.Generator().manual_seed(i)).bfloat16()
+        ctx = drafter.fuse_context(taps)  # [2, 32, 64] through the float8 fc
+        sum(layer.mlp(layer.self_attn.o_proj(layer.self_attn.q_proj(ctx))).float().pow(2).mean()
+            for layer in drafter.layers).backward()
+        sums.add(first=i == 0)
+    params = sums.stepped()
+    clip_and_step(opt, params, 1.0, grads=[sums.grad(p) for p in params])
+    muon_masters = {id(p): m for p, m in zip(opt.params, opt.masters)}
+    moved = 0
+    for name, p in drafter.named_parameters():
+        master = muon_masters[id(p)] if id(p) in muon_masters else opt.adamw.state[p]["master"]
+        assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), master.bfloat16()), name
+        if sums.has(p):
+            assert not torch.equal(master, reference[name]), name
+            moved += 1
+    assert moved == len(LINEARS) - 4 + 1  # k_proj and v_proj of both layers have no gradient here; hidden_norm has
+
+
 def test_checkpoint_and_zlab_export_are_those_of_the_unconverted_drafter(tmp_path):
     plain, fp8 = _drafter(seed=3), _drafter(seed=3)
     opt = MasterWeightAdamW(fp8.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0)
