@@ -24,7 +24,7 @@ from dflash_train.data.anchors import block_inputs, drafted_targets, position_id
 from dflash_train.model.attention import MaskSpec, PersistentMasks, build_training_masks
 from dflash_train.model.config import DrafterConfig
 from dflash_train.model.logits import LogitTransform
-from dflash_train.train.batching import MicroBatch, host_to_device, to_device
+from dflash_train.train.batching import MicroBatch, to_device
 from dflash_train.train.grads import float32_grads
 from dflash_train.train.loss import CE, LossMix, LossStats, Objective, block_loss, slot_weights, teacher_hidden_at
 from dflash_train.train.optim import divides_gradients, step_unless
@@ -73,16 +73,6 @@ class StepContext:
                         if self.drafter.arch == "dflash2" else 0)
         return Objective(spec, self.weighting, self.gamma, self.dpace_alpha, self.chunk_tokens, self.compile_loss,
                          self.head_weight)
-
-
-def loss_weight_sum(mb: MicroBatch, ctx: StepContext) -> torch.Tensor:
-    """Sum of w_k over the valid slots of a micro-batch (the loss denominator's share), counting
-    only the slots the loss will see (with `loss.train_vocab`, labels inside the subset)."""
-    labels, valid, _ = drafted_targets(mb.input_ids, mb.loss_mask, mb.anchors, mb.keep, ctx.drafted)
-    if ctx.train_vocab is not None:
-        _, valid = ctx.train_vocab.map_labels(labels, valid)
-    w = slot_weights(ctx.drafted, ctx.gamma, dtype=torch.float64)
-    return (valid.double() * w).sum()
 
 
 def drafter_hidden(model, batch: dict, ctx: StepContext) -> torch.Tensor:

@@ -48,21 +48,3 @@ def test_restricted_loss_equals_full_loss_when_the_subset_holds_every_competitor
     torch.testing.assert_close(part_loss, full_loss, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(g_part, g_full, atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(part.slot_correct, full.slot_correct)
-
-
-def test_loss_normaliser_counts_only_labels_the_subset_keeps():
-    """The step's denominator (summed on the host before the forward) must count the same slots
-    as the loss: a label outside the training vocabulary leaves both."""
-    from types import SimpleNamespace
-
-    from dflash_train.train.loss import slot_weights
-    from dflash_train.train.step import loss_weight_sum
-
-    mb = SimpleNamespace(input_ids=torch.arange(1, 9)[None], loss_mask=torch.ones(1, 8, dtype=torch.long),
-                         anchors=torch.tensor([[0]]), keep=torch.tensor([[True]]))  # labels 2, 3, 4
-    w = slot_weights(3, 2.0, dtype=torch.float64)  # block 4: three drafted tokens
-    everything = SimpleNamespace(block_size=4, drafted=3, gamma=2.0, train_vocab=None)
-    torch.testing.assert_close(loss_weight_sum(mb, everything), w.sum())
-    without_3 = vocab_subset([(1, 2, 4, 5, 6, 7, 8)], vocab_size=10, size=7)
-    restricted = SimpleNamespace(block_size=4, drafted=3, gamma=2.0, train_vocab=without_3.to("cpu"))
-    torch.testing.assert_close(loss_weight_sum(mb, restricted), w[0] + w[2])
