@@ -284,7 +284,7 @@ def serve_instructions(drafter_dir: str | Path) -> str:
     d = json.loads((Path(drafter_dir) / "config.json").read_text())
     dflash = d.get("dflash_config") or {}
     block_size = dflash.get("block_size", d.get("block_size"))
-    arch = ARCHITECTURES[arch_of_architectures(d.get("architectures"))]
+    arch = ARCHITECTURES[arch_of_architectures(d.get("architectures") or ["DFlashDraftModel"])]
     drafted = arch.drafted(block_size)
     rec = dflash.get(TRAINED_AGAINST)
     target = rec["serve"] if isinstance(rec, dict) and rec.get("serve") else "TARGET"

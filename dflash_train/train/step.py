@@ -26,7 +26,7 @@ from dflash_train.model.config import DrafterConfig
 from dflash_train.model.logits import LogitTransform
 from dflash_train.train.batching import MicroBatch, to_device
 from dflash_train.train.grads import float32_grads
-from dflash_train.train.loss import CE, LossMix, LossStats, Objective, block_loss, slot_weights, teacher_hidden_at
+from dflash_train.train.loss import CE, LossMix, LossStats, Objective, block_loss, teacher_hidden_at
 from dflash_train.train.optim import divides_gradients, step_unless
 from dflash_train.train.softmax_rows import RowsSpec
 from dflash_train.train.vocab import VocabSubset
