@@ -6,7 +6,7 @@ with no hidden state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -17,6 +17,8 @@ from dflash_train.data.anchors import all_anchors
 from dflash_train.data.dataset import load_samples, prepare_samples, split_held_out
 from dflash_train.data.dataset import prepare_tapped as prepare_tapped_samples
 from dflash_train.data.shards import ShardReader
+from dflash_train.data.text import has_chat_template, resolve_data_format
+from dflash_train.eval.prompt_sets import check_prompt_sets
 from dflash_train.model.config import DrafterConfig, drafter_config_from_target
 from dflash_train.model.drafter import DFlashDrafter
 from dflash_train.model.target import resolve_mask_token_id
@@ -75,6 +77,17 @@ def pipeline_stage(topo: Topology) -> tuple[list[int], int] | None:
     if not (topo.pipeline and topo.is_target):
         return None
     return topo.target_groups[topo.target_group_index], topo.rank
+
+
+def resolve_format(cfg: RunConfig, tokenizer, log) -> RunConfig:
+    """`cfg` with `data.format` resolved from the target's tokenizer (auto: chat with a chat template, text
+    without), said in one line, and the eval's prompt sets checked against it; run right after the
+    tokenizer loads, before the weights (the one place the format is decided)."""
+    fmt, why = resolve_data_format(cfg.data.format, tokenizer, cfg.target.model)
+    log(f"data: {'plain-text continuations' if fmt == 'text' else 'conversations'} (data.format={fmt}: {why})")
+    if cfg.eval.num_prompts > 0:
+        check_prompt_sets(cfg.eval.prompts, fmt, has_chat_template(tokenizer))
+    return replace(cfg, data=replace(cfg.data, format=fmt))
 
 
 def build_drafter_config(cfg: RunConfig, target) -> DrafterConfig:

@@ -61,7 +61,7 @@ def test_comma_list_keeps_order_and_mixes_names_and_paths(tmp_path):
 
 
 def test_bad_specs_fail_before_any_set_is_read(tmp_path):
-    with pytest.raises(ValueError, match=r"'nope': not a set name \(default, chitchat, assistant, humaneval, synthesized\)"):
+    with pytest.raises(ValueError, match=r"'nope': not a set name \(default, chitchat, assistant, humaneval, synthesized, heldout, prose\)"):
         resolve_prompt_sets("chitchat,nope")
     with pytest.raises(ValueError, match="chitchat named twice"):
         resolve_prompt_sets("default,chitchat")
