@@ -62,8 +62,7 @@ def resolved(cfg: DataConfig, tokenizer, target_name: str = "target") -> DataCon
 
 
 def cache_key(cfg: DataConfig, target_name: str, seed: int) -> str:
-    if cfg.format == "auto":
-        raise ValueError("data.format=auto: resolve it against the target's tokenizer first (dataset.resolved)")
+    """The key of a data cache; its callers pass a resolved `data.format` (chat keys as before it existed)."""
     parts = json.dumps([train_key(cfg), cfg.max_len, cfg.min_loss_tokens, cfg.thinking, cfg.max_samples, cfg.regenerate,
                         cfg.regen_max_new_tokens, target_name, seed, 2]
                        + ([cfg.format, cfg.text_prompt_tokens] if cfg.format != "chat" else []), sort_keys=True)

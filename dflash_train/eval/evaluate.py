@@ -157,7 +157,7 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
     if not encoded:
         raise ValueError("no prompts to evaluate")
     opts = {"max_new_tokens": max_new_tokens, "eos": eos, "temperature": temperature, "block_size": block_size,
-            "draft_head": DraftHead.of(target.lm_head_weight, draft_vocab, drafter.config)}
+            "draft_head": DraftHead.of(target.lm_head_weight, draft_vocab, drafter.config.scaling)}
     was_training = drafter.training
     drafter.eval()
     try:

@@ -8,7 +8,8 @@ Conventions:
 - Taps use z-lab semantics (`model/taps.py`): id i is HF `hidden_states[i + 1]`, concatenated
   over `layer_ids`.
 - One step: draft block `[anchor, MASK x (B-1)]` at positions [start, start+B), embedded with the
-  target's embedding; the drafter proposes slots 1..B-1; the target reads the B tokens in one
+  target's embedding (times `input_embedding_scale`; logits as the target scales them, model/scaling.py);
+  the drafter proposes slots 1..B-1; the target reads the B tokens in one
   forward; `acc` = number of accepted draft tokens (0..B-1); the step emits acc + 1 tokens (the
   accepted drafts plus the target's correction/bonus token), the target cache is cropped to
   start+acc+1 and the drafter cache gets the taps of positions start..start+acc.
@@ -43,6 +44,7 @@ from transformers import DynamicCache
 
 from dflash_train.model.decoding import cache_kwarg, new_cache
 from dflash_train.model.drafter import ContextCache, DFlashDrafter
+from dflash_train.model.scaling import Scaling, scale_embeddings, scale_logits
 from dflash_train.model.taps import select_taps
 
 
@@ -209,7 +211,7 @@ def draft_hidden(drafter: DFlashDrafter, ctx: ContextCache, anchor: int, embed_w
     start, p = ctx.length, _param(drafter)
     ids = torch.full((1, block_size), drafter.config.mask_token_id, dtype=torch.long, device=embed_weight.device)
     ids[0, 0] = anchor
-    embeds = embed_weight[ids].to(p.device, p.dtype)  # [1, B, H]
+    embeds = scale_embeddings(embed_weight[ids], drafter.config.input_embedding_scale).to(p.device, p.dtype)  # [1, B, H]
     positions = torch.arange(start, start + block_size, device=p.device)[None]  # [1, B]
     return drafter.draft(embeds, ctx, positions)[0]  # [B, H]
 
@@ -222,7 +224,8 @@ class DraftHead:
     the FR-Spec idea (Zhao et al. 2025): the drafter scores only those rows, so on a CPU its lm_head
     costs V'/V of the full one. Lossless: the target verifies every draft, and a token outside the
     subset is simply never proposed. Both paths return full-width logits (-inf outside the subset),
-    so rejection sampling compares the same [n, V] distributions either way."""
+    so rejection sampling compares the same [n, V] distributions either way. The scores become logits as
+    the target's do (`output_multiplier`, `final_logit_softcapping`: model/scaling.py)."""
 
     weight: torch.Tensor
     """[V', H] rows scored (the whole lm_head when `ids` is None)."""
@@ -230,13 +233,16 @@ class DraftHead:
     """[V'] token id of each row; None: row i is token i."""
     vocab_size: int
     """V, the width of the logits returned."""
+    scaling: Scaling = Scaling()
+    """The target's logit multiplier and soft cap, which the drafter's config carries."""
 
     @classmethod
-    def of(cls, lm_head_weight: torch.Tensor, ids: torch.Tensor | None = None) -> "DraftHead":
+    def of(cls, lm_head_weight: torch.Tensor, ids: torch.Tensor | None = None,
+           scaling: Scaling = Scaling()) -> "DraftHead":
         if ids is None:
-            return cls(lm_head_weight, None, lm_head_weight.shape[0])
+            return cls(lm_head_weight, None, lm_head_weight.shape[0], scaling)
         ids = ids.to(lm_head_weight.device, torch.long)
-        return cls(lm_head_weight[ids].contiguous(), ids, lm_head_weight.shape[0])
+        return cls(lm_head_weight[ids].contiguous(), ids, lm_head_weight.shape[0], scaling)
 
     def __call__(self, slots: torch.Tensor) -> torch.Tensor:
         """Logits [n, V] of slot hidden states [n, H] (n = B-1), on the weight's device."""
@@ -245,6 +251,7 @@ class DraftHead:
             scores = few_row_matmul(slots, self.weight)
         else:
             scores = slots @ self.weight.T  # [n, V']
+        scores = scale_logits(scores, self.scaling.output_multiplier, self.scaling.final_logit_softcapping)
         if self.ids is None:
             return scores
         logits = scores.new_full((slots.shape[0], self.vocab_size), float("-inf"))
@@ -252,10 +259,10 @@ class DraftHead:
         return logits
 
 
-def draft_head(hidden: torch.Tensor, head: "torch.Tensor | DraftHead") -> torch.Tensor:
+def draft_head(hidden: torch.Tensor, head: "torch.Tensor | DraftHead", scaling: Scaling = Scaling()) -> torch.Tensor:
     """Logits [B-1, V] of slots 1..B-1 from draft_hidden's [B, H], on the lm_head's device; `head`
-    is the lm_head weight [V, H] or a `DraftHead`."""
-    head = head if isinstance(head, DraftHead) else DraftHead.of(head)
+    is the lm_head weight [V, H] (its logits scaled by `scaling`) or a `DraftHead`."""
+    head = head if isinstance(head, DraftHead) else DraftHead.of(head, scaling=scaling)
     return head(hidden[1:])  # [B-1, V]
 
 
@@ -264,7 +271,7 @@ def draft_logits(drafter: DFlashDrafter, ctx: ContextCache, anchor: int, embed_w
                  head: "torch.Tensor | DraftHead", block_size: int) -> torch.Tensor:
     """Drafter logits [B-1, V] for slots 1..B-1 of the block [anchor, MASK x (B-1)] at ctx.length,
     on the lm_head's device."""
-    return draft_head(draft_hidden(drafter, ctx, anchor, embed_weight, block_size), head)
+    return draft_head(draft_hidden(drafter, ctx, anchor, embed_weight, block_size), head, drafter.config.scaling)
 
 
 def verify_block(anchor: int, draft: torch.Tensor) -> torch.Tensor:
@@ -339,7 +346,8 @@ def speculative_generate(target_model, drafter: DFlashDrafter, embed_weight: tor
     block_size = block_size or drafter.config.block_size
     if isinstance(lm_head_weight, DraftHead) and draft_vocab is not None:
         raise ValueError("speculative_generate: pass draft_vocab or a DraftHead, not both")
-    head = lm_head_weight if isinstance(lm_head_weight, DraftHead) else DraftHead.of(lm_head_weight, draft_vocab)
+    head = lm_head_weight if isinstance(lm_head_weight, DraftHead) else DraftHead.of(
+        lm_head_weight, draft_vocab, drafter.config.scaling)
     eos, device = set(int(e) for e in eos_ids), prompt_ids.device
     _sync(device)
     t0 = time.perf_counter()

@@ -21,7 +21,7 @@ from dflash_train.data.text import has_chat_template, resolve_data_format
 from dflash_train.eval.prompt_sets import check_prompt_sets
 from dflash_train.model.config import DrafterConfig, drafter_config_from_target
 from dflash_train.model.drafter import DFlashDrafter
-from dflash_train.model.target import resolve_mask_token_id
+from dflash_train.model.target import norm_factor, resolve_mask_token_id
 from dflash_train.model.target_subset import TargetSubset
 from dflash_train.train.batching import MicroBatch, Sample, padded_length
 from dflash_train.train.taps import FINAL_HIDDEN, StoredRows, TapsSpec
@@ -97,7 +97,23 @@ def build_drafter_config(cfg: RunConfig, target) -> DrafterConfig:
                                       target_layer_ids=cfg.target.layer_ids, num_taps=cfg.drafter.num_taps,
                                       sliding_window=cfg.drafter.sliding_window, vocab_size=target.vocab_size)
     dcfg.check_target(target.hidden_size, target.num_layers, target.vocab_size)
+    problems = target.scaling_problems(dcfg.scaling)  # the derived scaling, against the target's own forward
+    if problems:
+        raise ValueError(f"target {cfg.target.model} ({target.config.model_type}) cannot be drafted for as the "
+                         "engines run a DFlash drafter:\n  " + "\n  ".join(problems))
+    _check_loss_applies(dcfg)
     return dcfg
+
+
+def _check_loss_applies(dcfg: DrafterConfig) -> None:
+    """train/loss.py scores the drafter with the plain lm_head: a target that multiplies or soft-caps its
+    logits would be trained against other logits than it is served with. Refused until the loss applies
+    `output_multiplier` and `final_logit_softcapping` (then this check goes)."""
+    scaled = {k: v for k, v in dcfg.scaling.non_identity().items() if k != "input_embedding_scale"}
+    if scaled:
+        raise ValueError(f"the target's logits are scaled ({', '.join(f'{k}={v:g}' for k, v in scaled.items())}): "
+                         f"the training loss does not apply {' and '.join(scaled)} yet, so this target cannot be "
+                         "trained for (its export and eval would handle them)")
 
 
 def init_drafter(dcfg: DrafterConfig, target, seed: int, from_target: bool, device,
@@ -126,23 +142,36 @@ def init_drafter(dcfg: DrafterConfig, target, seed: int, from_target: bool, devi
 
 
 def _copy_from_target(drafter: DFlashDrafter, target) -> None:
+    """Norm weights are copied as the factor the target's norm applies (`norm_factor`: Gemma's
+    `1 + w`), the drafter's norms being `x * w`."""
     with torch.no_grad():
-        norm = getattr(target.final_norm, "weight", None)
+        norm = norm_factor(target.final_norm)
         if norm is not None and norm.shape == drafter.norm.weight.shape:
-            drafter.norm.weight.copy_(norm.float())
+            drafter.norm.weight.copy_(norm)
         source_layers = list(target.layers)[-len(drafter.layers):]
         hidden = drafter.config.hidden_size
         drafter.fc.weight.zero_()
         drafter.fc.weight[:, -hidden:].copy_(torch.eye(hidden))  # [H, K*H]: pick the last tap
-        first_norm = getattr(getattr(source_layers[0], "input_layernorm", None), "weight", None)
+        first_norm = getattr(source_layers[0], "input_layernorm", None)
+        first_norm = norm_factor(first_norm) if first_norm is not None else None
         if first_norm is not None and first_norm.shape == drafter.hidden_norm.weight.shape:
-            drafter.hidden_norm.weight.copy_(first_norm.float())
+            drafter.hidden_norm.weight.copy_(first_norm)
         for ours, theirs in zip(drafter.layers, source_layers):
             theirs_state = theirs.state_dict()
             for name, param in ours.state_dict().items():
                 src = theirs_state.get(name)
                 if src is not None and not src.is_meta and src.shape == param.shape:  # meta: not held
-                    param.copy_(_dense(src).float())
+                    param.copy_(_copied(theirs, name, src))
+
+
+def _copied(layer, name: str, src: torch.Tensor) -> torch.Tensor:
+    """A target layer's tensor as the drafter's layer takes it: a norm's factor (`norm_factor`, where it
+    reads as one), any other weight as it is."""
+    if name.endswith("norm.weight"):
+        factor = norm_factor(layer.get_submodule(name.removesuffix(".weight")))
+        if factor is not None:
+            return factor
+    return _dense(src).float()
 
 
 def _dense(weight: torch.Tensor) -> torch.Tensor:

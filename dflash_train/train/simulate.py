@@ -56,7 +56,7 @@ def anchor_acceptance(drafter, batch: dict, ctx: StepContext,
         hidden, labels, valid = drafter_hidden(drafter, batch, ctx)
     b, n, block = labels.shape
     rows = hidden.reshape(b * n * block, -1)  # [b*N*B, H]
-    head = head or DraftHead.of(ctx.lm_head_weight)
+    head = head or DraftHead.of(ctx.lm_head_weight, scaling=ctx.drafter.scaling)
     pred = torch.cat([head(r).argmax(-1) for r in rows.split(ARGMAX_ROWS)])
     correct = (pred.view(b, n, block) == labels) & valid  # [b, N, B]; slot 0 (the anchor) never valid
     accepted = correct[:, :, 1:].int().cumprod(-1).sum(-1)  # [b, N]
@@ -83,7 +83,7 @@ def simulated_walks(drafter, target, ctx: StepContext, sequences: list[tuple[lis
     spec = taps_spec(drafter.config, target.dtype)
     eval_ctx, layer_ids = eval_context(ctx), list(drafter.config.target_layer_ids)
     walks, anchor_sum, anchor_count = [], 0, 0
-    head = DraftHead.of(ctx.lm_head_weight, draft_vocab)  # once: the subset's rows are a copy
+    head = DraftHead.of(ctx.lm_head_weight, draft_vocab, ctx.drafter.scaling)  # once: the subset's rows are a copy
     was_training = drafter.training
     drafter.eval()
     with torch.no_grad():

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from dflash_train.data.anchors import block_inputs, block_labels, position_ids
 from dflash_train.model.attention import MaskSpec, PersistentMasks, build_training_masks
 from dflash_train.model.config import DrafterConfig
+from dflash_train.model.scaling import scale_embeddings
 from dflash_train.train.batching import MicroBatch, host_to_device, to_device
 from dflash_train.train.loss import CE, LossMix, LossStats, block_loss, slot_weights, teacher_hidden_at
 from dflash_train.train.optim import MasterWeightAdamW, step_unless
@@ -67,8 +68,8 @@ def drafter_hidden(model, batch: dict, ctx: StepContext) -> tuple[torch.Tensor, 
     seq_len, num_anchors = input_ids.shape[1], anchors.shape[1]
     labels, valid = block_labels(input_ids, batch["loss_mask"], anchors, keep, ctx.block_size)
     dcfg = ctx.drafter
-    block_embeds = F.embedding(block_inputs(input_ids, anchors, dcfg.block_size, dcfg.mask_token_id),
-                               ctx.embed_weight)  # [b, N*B, H]
+    block_embeds = scale_embeddings(F.embedding(block_inputs(input_ids, anchors, dcfg.block_size, dcfg.mask_token_id),
+                                                ctx.embed_weight), dcfg.input_embedding_scale)  # [b, N*B, H]
     spec = MaskSpec(seq_len, dcfg.block_size, num_anchors, dcfg.sliding_window)
     masks = build_training_masks(spec, dcfg.layer_types, anchors, keep, ctx.backend,
                                  persistent=ctx.persistent_masks)

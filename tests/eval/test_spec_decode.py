@@ -11,6 +11,7 @@ from eval_helpers import BigramLM, tiny_drafter, tiny_target
 
 from dflash_train.eval import spec_decode
 from dflash_train.eval.spec_decode import DraftHead, accept_greedy, speculative_generate, target_generate
+from dflash_train.model.scaling import Scaling
 
 
 def _spec(target, drafter, prompt, n, eos=(), block_size=None, temperature=0.0, generator=None):
@@ -180,7 +181,8 @@ class StubDrafter(torch.nn.Module):
 
     def __init__(self, block_size: int, mask_token_id: int):
         super().__init__()
-        self.config = SimpleNamespace(block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=(0, 2))
+        self.config = SimpleNamespace(block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=(0, 2),
+                                      scaling=Scaling(), input_embedding_scale=1.0)
         self.dummy = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
 
     def fuse_context(self, taps):
