@@ -112,6 +112,22 @@ def test_a_draft_vocabulary_scores_only_its_rows(rows):
     assert (full.argmax(-1) != restricted.argmax(-1)).any()  # the subset changes some drafts here
 
 
+def test_draft_logits_are_scaled_as_the_targets_before_the_subset_masks_the_rest():
+    """A target's output_multiplier and soft cap apply to the drafter's scores too (model/scaling.py), inside
+    a draft vocabulary as over the whole head, and the tokens outside stay -inf (tanh(-inf) would be -cap)."""
+    g = torch.Generator().manual_seed(0)
+    weight, hidden = torch.randn(50, 8, generator=g), torch.randn(5, 8, generator=g) * 10
+    ids = torch.tensor([1, 4, 5, 17, 30, 49])
+    scaling = Scaling(1.0, 0.5, 3.0)
+    want = 3.0 * torch.tanh(hidden[1:] @ weight.T * 0.5 / 3.0)  # [4, 50]
+    torch.testing.assert_close(spec_decode.draft_head(hidden, weight, scaling), want)
+    restricted = spec_decode.draft_head(hidden, DraftHead.of(weight, ids, scaling))
+    torch.testing.assert_close(restricted[:, ids], want[:, ids])
+    outside = torch.ones(50, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isneginf(restricted[:, outside]).all() and want.abs().max() <= 3.0
+
+
 def test_greedy_with_a_draft_vocabulary_equals_target_and_drafts_inside_it(qwen3, prompts, monkeypatch):
     """Lossless with a draft vocabulary; every proposed token is one of its ids."""
     drafter = tiny_drafter(qwen3.config, block_size=4)
