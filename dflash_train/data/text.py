@@ -54,7 +54,7 @@ def resolve_data_format(data_format: str, tokenizer, target_name: str) -> tuple[
         return data_format, "data.format set explicitly"
     if template:
         return "chat", "the tokenizer has a chat template"
-    return "text", "the tokenizer has no chat template (a base model): plain-text continuations"
+    return "text", "the tokenizer has no chat template (a base model)"
 
 
 def check_data_format(data_format: str, tokenizer, target_name: str) -> None:

@@ -11,7 +11,7 @@ import signal
 import pytest
 import torch
 
-from dflash_train import recipes
+from dflash_train import cli, recipes
 from dflash_train.config import DataConfig, apply_overrides
 from dflash_train.data.rows import DataError
 from dflash_train.data.text import continuation_samples, read_documents, resolve_data_format, split_point
@@ -185,3 +185,9 @@ def test_a_base_gemma3_trains_exports_checks_and_evaluates_on_text(gemma3_base_d
         assert figures["num_prompts"] >= 1 and figures["identical_outputs"] == figures["num_prompts"]
         assert 1.0 <= figures["tau"] <= 4.0 and figures["steps"] > 0
     assert "eval [prose]: tau" in printed
+    # the eval command picks the text sets for this target by itself too
+    assert cli.main(["eval", "--drafter", str(out / "drafter"), "--target", str(gemma3_base_dir), "--num-prompts", "1",
+                     "--max-new-tokens", "8", "--out", str(tmp_path / "eval"), "--no-progress", "--dtype", "float32",
+                     "--prompts", "prose"]) == 0
+    printed = capsys.readouterr().out
+    assert "data.format=text" in printed and json.loads((tmp_path / "eval" / "report.json").read_text())["sets"]["prose"]
