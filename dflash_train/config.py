@@ -91,11 +91,12 @@ class DataConfig:
     """`default`, `chitchat`, `synthesize` (prompts written by the target), a JSONL file (ShareGPT or
     OpenAI shape), an HF dataset saved to disk, or parquet; or a mix by weight,
     `default:0.5,synthesize:0.5`, of `max_samples` in all (data/dataset.py `parse_train_spec`)."""
-    format: Literal["chat", "text"] = "chat"
-    """chat: conversations through the target's chat template, loss on assistant turns. text: plain-text
-    continuation for base models without a chat template (data/text.py): each document (a `text` field,
-    or a .txt file's blank-line-separated paragraphs) splits into a prompt and a continuation, which the
-    target regenerates when `regenerate`; loss on the continuation only."""
+    format: Literal["auto", "chat", "text"] = "auto"
+    """auto: chat where the target's tokenizer has a chat template, else text (said in one line when the
+    tokenizer loads). chat: conversations through the target's chat template, loss on assistant turns.
+    text: plain-text continuation for base models (data/text.py): each document (a `text` field, or a .txt
+    file's blank-line-separated paragraphs) splits into a prompt and a continuation, which the target
+    regenerates when `regenerate`; loss on the continuation only; the eval decodes text prefixes."""
     text_prompt_tokens: int = 64
     """text format: tokens of each document given as the prompt (at most half the document)."""
     eval_fraction: float = 0.02
@@ -286,7 +287,8 @@ class EvalConfig:
     max_new_tokens: int = 128
     temperature: float = 0.0
     prompts: str | None = None
-    """Prompt sets (eval/prompt_sets.py): e.g. `chitchat,assistant,humaneval` or a JSONL path; None = default."""
+    """Prompt sets (eval/prompt_sets.py): e.g. `chitchat,assistant,humaneval` or a JSONL path; None = default
+    (chat: assistant, chitchat; text format: held-out text of data.train and the embedded prose set)."""
     sim_anchors_per_seq: int = 64
     drafter: str | None = None
     """z-lab drafter directory the `eval` command measures (ours or a published one)."""

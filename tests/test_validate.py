@@ -120,7 +120,7 @@ def test_inputs_that_must_exist(tmp_path):
     tiny = recipes.get("tiny")
     missing = str(tmp_path / "nope.jsonl")
     fires(validate.validate_run, with_(tiny, "data.train", missing), ONE, match=f"data.train={missing}: no such file")
-    fires(validate.validate_run, with_(tiny, "eval.prompts", missing), ONE, match="not a set name (default, chitchat, assistant, humaneval, synthesized) and not a JSONL file")
+    fires(validate.validate_run, with_(tiny, "eval.prompts", missing), ONE, match="not a set name (default, chitchat, assistant, humaneval, synthesized, heldout, prose) and not a JSONL file")
     fires(validate.validate_run, with_(tiny, "target.model", str(tmp_path / "m")), ONE, match="target.model=")
     fires(validate.validate_run, with_(tiny, "target.model", "./m.gguf"), ONE, match="target.model=./m.gguf")
     validate.validate_run(with_(tiny, "target.model", "Org/cached-hub-id"), ONE)  # the loader says if it is not cached

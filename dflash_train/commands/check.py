@@ -1,7 +1,9 @@
 """`dflash-train check DRAFTER --target T`: will this drafter be served right with that target?
 
 Lists every failure of the serving contract (dflash_train/model/serving_check.py), each naming its
-field, then the verdict; exits non-zero on any failure. Reads the target's files only (config,
+field, then the verdict; exits non-zero on any failure. A drafter of a target that scales its embeddings or
+logits gets a note per field saying which engines apply it. Works on a fresh machine for every target form
+(a GGUF is converted into the cache once, as training does). Reads the target's files only (config,
 safetensors headers, a few sampled bytes); the drafter is loaded on the CPU for one block's forward.
 """
 
@@ -24,7 +26,7 @@ ALIASES = (Alias("--drafter", "check.drafter"), Alias("--target", "target.model"
 def run(cfg) -> str | Verdict:
     # torch and the model code load here only (see commands/__init__.py)
     from dflash_train.model.hf_format import TRAINED_AGAINST
-    from dflash_train.model.serving_check import check_drafter, serve_instructions
+    from dflash_train.model.serving_check import check_drafter, engine_notes, serve_instructions
     from dflash_train.model.target_identity import describe_target
 
     drafter_dir = cfg.check.drafter
@@ -40,5 +42,7 @@ def run(cfg) -> str | Verdict:
     recorded = json.loads((Path(drafter_dir) / "config.json").read_text())["dflash_config"].get(TRAINED_AGAINST)
     if not recorded:
         print("check: no training target recorded in the drafter: the target could not be compared", flush=True)
+    for note in engine_notes(drafter_dir):
+        print(f"check: note: {note}", flush=True)
     print(serve_instructions(drafter_dir), flush=True)
     return f"{drafter_dir} serves with {target.name}"

@@ -1,5 +1,6 @@
 """`dflash-train eval --drafter DIR [--target T] [...]`: real speculative decoding of held-out prompts
-with a z-lab drafter directory (ours or a published one) against its target.
+with a z-lab drafter directory (ours or a published one) against its target. A target without a chat
+template (a base model; `data.format=auto` says so in one line) is measured on text sets.
 
 Prints a summary table and ends with `dflash-train eval: OK tau=... speedup=...x`. Writes
 report.json and two PNG plots to eval.out_dir (--out).
@@ -14,7 +15,8 @@ from dflash_train.validate import validate_eval as validate  # noqa: F401 - the 
 
 HELP = "real speculative decoding: tau, per-position acceptance, speedup"
 RECIPE = None
-READS = ("eval", "target", "data.thinking", "train.seed", "topology.device", "loss.gamma", "loss.chunk_tokens")
+READS = ("eval", "target", "data.thinking", "data.format", "data.text_prompt_tokens", "data.train", "data.max_samples",
+         "data.eval_fraction", "train.seed", "topology.device", "loss.gamma", "loss.chunk_tokens")
 ALIASES = (
     Alias("--drafter", "eval.drafter"), Alias("--target", "target.model"), Alias("--gguf-file", "target.gguf_file"),
     Alias("--prompts", "eval.prompts"), Alias("--num-prompts", "eval.num_prompts"),
@@ -30,9 +32,12 @@ def run(cfg) -> str:
     from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
     from dflash_train.eval.evaluate import check_compatible, eval_draft_vocab, evaluate
     from dflash_train.model.hf_format import load_zlab
+    from dflash_train.train.setup import resolve_format
 
     e = cfg.eval
-    target = load_configured_target(cfg)
+    resolved = []  # the config with data.format resolved (text sets for a target without a chat template)
+    target = load_configured_target(cfg, check_tokenizer=lambda tok: resolved.append(resolve_format(cfg, tok, print)))
+    cfg = resolved[0]
     drafter = load_zlab(e.drafter, device=device_of(cfg), dtype=target.dtype)
     print(f"eval: drafter {e.drafter}: {drafter.config.num_layers} layers, block size "
           f"{e.block_size or drafter.config.block_size}, taps {list(drafter.config.target_layer_ids)}, "
@@ -45,7 +50,8 @@ def run(cfg) -> str:
     vocab = eval_draft_vocab(e, e.drafter, drafter)
     report = evaluate(drafter, target, sets, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
                       thinking=cfg.data.thinking, block_size=e.block_size, seed=cfg.train.seed, out_dir=e.out_dir,
-                      progress=e.progress, simulate=_simulator(cfg, drafter, target, vocab), draft_vocab=vocab)
+                      progress=e.progress, simulate=_simulator(cfg, drafter, target, vocab), draft_vocab=vocab,
+                      text_prompt_tokens=cfg.data.text_prompt_tokens)
     _print_report(report, e.temperature)
     overall = report["overall"]
     return (f"tau={overall['tau']:.3f} speedup={overall['speedup']:.2f}x ({overall['num_prompts']} prompts, "

@@ -1,6 +1,7 @@
 """From `data.train` to tokenized training and held-out samples, cached on disk.
 
-Order: read conversations (bad rows: error with location, or counted with --skip-bad-rows);
+Order: resolve `data.format=auto` from the tokenizer (chat with a chat template, else plain-text
+continuations, data/text.py); read conversations (bad rows: error with location, or counted with --skip-bad-rows);
 optionally regenerate the assistant turns with the target (append-only, resumable cache); tokenize
 with the target's chat template and an assistant-only loss mask; split off a held-out fraction by
 a hash of the id (stable whatever the sample count). The tokenized result is cached as JSONL keyed
@@ -27,7 +28,7 @@ from dflash_train.data.regenerate import regenerate
 from dflash_train.data.rows import BadRows
 from dflash_train.data.synthesize import SynthSettings, synthesize_prompts
 from dflash_train.data.train_spec import SYNTHESIZE, parse_train_spec
-from dflash_train.data.text import continuation_samples, continuations_with_taps
+from dflash_train.data.text import continuation_samples, continuations_with_taps, resolve_data_format
 
 Paired = TypeVar("Paired")
 
@@ -52,7 +53,16 @@ def split_held_out(samples: Sequence[Sample], fraction: float, paired: Sequence[
     return split[False], split[True]
 
 
+def resolved(cfg: DataConfig, tokenizer, target_name: str = "target") -> DataConfig:
+    """`cfg` with `data.format=auto` resolved from the tokenizer (`text.resolve_data_format`): a training
+    run resolves it once when the tokenizer loads; library callers that pass `auto` get the same answer."""
+    if cfg.format != "auto":
+        return cfg
+    return dataclasses.replace(cfg, format=resolve_data_format(cfg.format, tokenizer, target_name)[0])
+
+
 def cache_key(cfg: DataConfig, target_name: str, seed: int) -> str:
+    """The key of a data cache; its callers pass a resolved `data.format` (chat keys as before it existed)."""
     parts = json.dumps([train_key(cfg), cfg.max_len, cfg.min_loss_tokens, cfg.thinking, cfg.max_samples, cfg.regenerate,
                         cfg.regen_max_new_tokens, target_name, seed, 2]
                        + ([cfg.format, cfg.text_prompt_tokens] if cfg.format != "chat" else []), sort_keys=True)
@@ -62,6 +72,7 @@ def cache_key(cfg: DataConfig, target_name: str, seed: int) -> str:
 def prepare_samples(cfg: DataConfig, target, target_name: str, work_dir: Path, seed: int, log=print,
                     heartbeat=None) -> Path:
     """Build the tokenized sample cache once (a concurrent job waits on its lock) and return its path."""
+    cfg = resolved(cfg, target.tokenizer, target_name)
     path = work_dir / f"samples-{cache_key(cfg, target_name, seed)}.jsonl"
     def build(tmp: Path) -> None:
         _tokenize_into(tmp, cfg, target, target_name, work_dir, seed, log, heartbeat)
@@ -113,6 +124,7 @@ def prepare_tapped(cfg: DataConfig, target, target_name: str, layer_ids: list[in
     """Regenerate + tap in one pass (cached; a concurrent job waits on its lock): (train samples, held-out
     samples, their stored rows {name: tensor}); `final_hidden` also keeps the target's final hidden state
     (a distillation loss), in a cache file of its own."""
+    cfg = resolved(cfg, target.tokenizer, target_name)
     suffix = "-final" if final_hidden else ""
     path = work_dir / f"tapped-{cache_key(cfg, target_name, seed)}-{'_'.join(map(str, layer_ids))}{suffix}.safetensors"
 

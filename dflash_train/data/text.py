@@ -1,4 +1,5 @@
-"""Plain-text continuation data for base models (targets without a chat template): `data.format=text`.
+"""Plain-text continuation data for base models (targets without a chat template): `data.format=text`,
+which `data.format=auto` (the default) picks by itself for a tokenizer without a chat template.
 
 A document is tokenized as the target reads text (with its tokenizer's own special tokens, e.g. a
 BOS) and split after `data.text_prompt_tokens` tokens (at most half the document) into a prompt and
@@ -25,7 +26,7 @@ from dflash_train.data.regen_taps import regenerate_prompts_with_taps
 from dflash_train.data.regenerate import generate_batch, end_of_turn_ids
 from dflash_train.data.rows import BadRows, DataError, json_type_name, parse_row
 
-FORMATS = ("chat", "text")
+FORMATS = ("auto", "chat", "text")
 
 
 @dataclass
@@ -34,21 +35,32 @@ class Document:
     text: str
 
 
-def check_data_format(data_format: str, tokenizer, target_name: str, eval_prompts: int = 0) -> None:
-    """Run right after the target's tokenizer loads, before its weights: the chat format needs a chat
-    template, and the end-of-training eval renders chat prompts."""
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def resolve_data_format(data_format: str, tokenizer, target_name: str) -> tuple[str, str]:
+    """`(chat | text, why)` for `data.format`, run right after the target's tokenizer loads, before its
+    weights: `auto` picks chat where the tokenizer has a chat template and text continuation where it has
+    none (a base model); an explicit `chat` on a target without a template is an error naming why."""
     if data_format not in FORMATS:
         raise ValueError(f"data.format={data_format!r}: expected one of {', '.join(FORMATS)}")
-    if getattr(tokenizer, "chat_template", None):
-        return
-    if data_format == "chat":
+    template = has_chat_template(tokenizer)
+    if data_format == "chat" and not template:
         raise ValueError(f"target {target_name!r}: its tokenizer has no chat template (a base model?), and "
-                         "data.format=chat renders conversations with it; set data.format=text to train on "
-                         "plain-text continuations instead")
-    if eval_prompts:
-        raise ValueError(f"target {target_name!r} has no chat template, and the end-of-training speculative "
-                         "decoding eval renders chat prompts; set eval.num_prompts=0 (the held-out simulated "
-                         "tau still runs)")
+                         "data.format=chat renders conversations with it; set data.format=text (or auto) to train "
+                         "on plain-text continuations instead")
+    if data_format != "auto":
+        return data_format, "data.format set explicitly"
+    if template:
+        return "chat", "the tokenizer has a chat template"
+    return "text", "the tokenizer has no chat template (a base model)"
+
+
+def check_data_format(data_format: str, tokenizer, target_name: str) -> None:
+    """The commands that only read conversations (`prepare`, `regenerate`): `resolve_data_format`'s
+    checks, the result unused."""
+    resolve_data_format(data_format, tokenizer, target_name)
 
 
 # ---------------------------------------------------------------------------------------------

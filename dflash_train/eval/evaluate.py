@@ -2,10 +2,12 @@
 plain target decoding of the same prompts; the library entry that the CLI and the training job use.
 
 Conventions:
-- Prompts are message lists (an optional system message, then user/assistant turns); trailing
+- Chat prompts are message lists (an optional system message, then user/assistant turns); trailing
   assistant turns are dropped, so every prompt ends with a user turn, and it is rendered with the
   target's chat template and `add_generation_prompt=True` (`thinking` sets `enable_thinking`
-  where the template reads it).
+  where the template reads it). Text prompts (base models) are documents: tokenized as the target
+  reads text (its special tokens, e.g. a BOS) and cut where text training cuts them, after
+  `text_prompt_tokens` tokens, at most half the document (`data/text.py split_point`).
 - Generation stops at the target's end tokens (`eos_token_ids`) or after `max_new_tokens`.
 - Each prompt gets its own generator seeded `seed + index`, shared by the speculative and the plain
   run, so a run is reproducible; the first prompt is decoded in full once untimed (warm-up): on a
@@ -25,7 +27,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from dflash_train.config import DataConfig
 from dflash_train.data.conversations import prompt_messages, render_chat
+from dflash_train.data.text import split_point
 from dflash_train.eval import report as rep
 from dflash_train.eval.spec_decode import DraftHead, GenResult, SpecResult, speculative_generate, target_generate
 from dflash_train.model.drafter import DFlashDrafter
@@ -59,14 +63,19 @@ def eos_token_ids(tokenizer, model) -> set[int]:
     return ids
 
 
-def encode_prompts(tokenizer, prompts: list[list[dict]], thinking: bool | None,
-                   device: torch.device) -> list[torch.Tensor]:
-    """Chat-template token ids [1, P] of each prompt, ready for generation."""
+def encode_prompts(tokenizer, prompts: list, thinking: bool | None, device: torch.device,
+                   text_prompt_tokens: int = DataConfig.text_prompt_tokens) -> list[torch.Tensor]:
+    """Token ids [1, P] of each prompt, ready for generation: a message list through the chat template,
+    a document (str) cut to its text prompt (see the module doc)."""
     encoded = []
-    for messages in prompts:
-        text = render_chat(tokenizer, prompt_messages(messages), add_generation_prompt=True, thinking=thinking)
-        # the template already writes bos and role markers: add no special tokens twice
-        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            ids = tokenizer(prompt, add_special_tokens=True)["input_ids"]
+            ids = torch.tensor([ids[:split_point(len(ids), text_prompt_tokens)]])
+        else:
+            text = render_chat(tokenizer, prompt_messages(prompt), add_generation_prompt=True, thinking=thinking)
+            # the template already writes bos and role markers: add no special tokens twice
+            ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
         encoded.append(ids.to(device))
     return encoded
 
@@ -125,7 +134,7 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
              max_new_tokens: int = 128, temperature: float = 0.0, thinking: bool | None = None,
              block_size: int | None = None, seed: int = 0, out_dir: str | Path | None = None,
              progress: bool = True, warmup: bool = True, heartbeat=None, simulate=None,
-             draft_vocab: torch.Tensor | None = None) -> dict:
+             draft_vocab: torch.Tensor | None = None, text_prompt_tokens: int = DataConfig.text_prompt_tokens) -> dict:
     """Real speculative decoding vs plain target decoding on each prompt set (`heartbeat(stage)`, e.g.
     the watchdog's beat, is called after every prompt).
 
@@ -136,18 +145,19 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
     speculative output ids) pairs, returns the simulated acceptance on that very text ({"sim_tau": the
     decode walk, "sim_tau_anchors": per anchor}; `train/simulate.py`), kept in the set's figures: the
     train/serve check (a gap means the decode loop and training disagree). `draft_vocab` [V'] restricts
-    the drafts to those token ids (spec_decode.DraftHead; the output is the same).
+    the drafts to those token ids (spec_decode.DraftHead; the output is the same). Text sets' documents
+    are cut after `text_prompt_tokens` tokens (`data.text_prompt_tokens`).
     """
     check_compatible(drafter, target)
     block_size = block_size or drafter.config.block_size
     device = target.embed_weight.device
     eos = eos_token_ids(target.tokenizer, target.model)
-    encoded = {name: encode_prompts(target.tokenizer, prompts, thinking, device)
+    encoded = {name: encode_prompts(target.tokenizer, prompts, thinking, device, text_prompt_tokens)
                for name, prompts in prompt_sets.items() if prompts}
     if not encoded:
         raise ValueError("no prompts to evaluate")
     opts = {"max_new_tokens": max_new_tokens, "eos": eos, "temperature": temperature, "block_size": block_size,
-            "draft_head": DraftHead.of(target.lm_head_weight, draft_vocab)}
+            "draft_head": DraftHead.of(target.lm_head_weight, draft_vocab, drafter.config.scaling)}
     was_training = drafter.training
     drafter.eval()
     try:

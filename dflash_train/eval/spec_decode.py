@@ -8,7 +8,8 @@ Conventions:
 - Taps use z-lab semantics (`model/taps.py`): id i is HF `hidden_states[i + 1]`, concatenated
   over `layer_ids`.
 - One step: draft block `[anchor, MASK x (B-1)]` at positions [start, start+B), embedded with the
-  target's embedding; the drafter proposes D tokens (DFlash: slots 1..B-1, D = B - 1; DSpark drafts
+  target's embedding (times `input_embedding_scale`; logits as the target scales them, model/scaling.py);
+  the drafter proposes D tokens (DFlash: slots 1..B-1, D = B - 1; DSpark drafts
   from the anchor's slot too, D = B), walked as its architecture drafts (`DFlashDrafter.propose`:
   independently per slot for DFlash, a chain on the previous token for DFlash 2 and DSpark); the
   target reads the anchor and the D drafts in one forward; `acc` = number of accepted draft tokens
@@ -47,6 +48,7 @@ from transformers import DynamicCache
 
 from dflash_train.model.decoding import cache_kwarg, new_cache
 from dflash_train.model.drafter import ContextCache, DFlashDrafter
+from dflash_train.model.scaling import Scaling, scale_embeddings, scale_logits
 from dflash_train.model.taps import select_taps
 
 
@@ -213,7 +215,7 @@ def draft_hidden(drafter: DFlashDrafter, ctx: ContextCache, anchor: int, embed_w
     start, p = ctx.length, _param(drafter)
     ids = torch.full((1, block_size), drafter.config.mask_token_id, dtype=torch.long, device=embed_weight.device)
     ids[0, 0] = anchor
-    embeds = embed_weight[ids].to(p.device, p.dtype)  # [1, B, H]
+    embeds = scale_embeddings(embed_weight[ids], drafter.config.input_embedding_scale).to(p.device, p.dtype)  # [1, B, H]
     positions = torch.arange(start, start + block_size, device=p.device)[None]  # [1, B]
     return drafter.draft(embeds, ctx, positions)[0]  # [B, H]
 
@@ -226,7 +228,8 @@ class DraftHead:
     the FR-Spec idea (Zhao et al. 2025): the drafter scores only those rows, so on a CPU its lm_head
     costs V'/V of the full one. Lossless: the target verifies every draft, and a token outside the
     subset is simply never proposed. Both paths return full-width logits (-inf outside the subset),
-    so rejection sampling compares the same [n, V] distributions either way."""
+    so rejection sampling compares the same [n, V] distributions either way. The scores become logits as
+    the target's do (`output_multiplier`, `final_logit_softcapping`: model/scaling.py)."""
 
     weight: torch.Tensor
     """[V', H] rows scored (the whole lm_head when `ids` is None)."""
@@ -234,21 +237,29 @@ class DraftHead:
     """[V'] token id of each row; None: row i is token i."""
     vocab_size: int
     """V, the width of the logits returned."""
+    scaling: Scaling = Scaling()
+    """The target's logit multiplier and soft cap, which the drafter's config carries."""
 
     @classmethod
-    def of(cls, lm_head_weight: torch.Tensor, ids: torch.Tensor | None = None) -> "DraftHead":
+    def of(cls, lm_head_weight: torch.Tensor, ids: torch.Tensor | None = None,
+           scaling: Scaling = Scaling()) -> "DraftHead":
         if ids is None:
-            return cls(lm_head_weight, None, lm_head_weight.shape[0])
+            return cls(lm_head_weight, None, lm_head_weight.shape[0], scaling)
         ids = ids.to(lm_head_weight.device, torch.long)
-        return cls(lm_head_weight[ids].contiguous(), ids, lm_head_weight.shape[0])
+        return cls(lm_head_weight[ids].contiguous(), ids, lm_head_weight.shape[0], scaling)
 
-    def __call__(self, slots: torch.Tensor) -> torch.Tensor:
-        """Logits [n, V] of slot hidden states [n, H] (n = B-1), on the weight's device."""
+    def __call__(self, slots: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [n, V] of slot hidden states [n, H] (n = the drafted tokens), on the weight's device;
+        `bias` [n, V] (DSpark's Markov bias) is added before the target's scaling, as in training."""
         slots = slots.to(self.weight.device, self.weight.dtype)
         if slots.device.type == "cpu" and FEW_ROWS[0] <= slots.shape[0] <= FEW_ROWS[1]:
             scores = few_row_matmul(slots, self.weight)
         else:
             scores = slots @ self.weight.T  # [n, V']
+        if bias is not None:
+            bias = bias.to(scores.device, scores.dtype)
+            scores = scores + (bias if self.ids is None else bias[:, self.ids])
+        scores = scale_logits(scores, self.scaling.output_multiplier, self.scaling.final_logit_softcapping)
         if self.ids is None:
             return scores
         logits = scores.new_full((slots.shape[0], self.vocab_size), float("-inf"))
@@ -256,10 +267,10 @@ class DraftHead:
         return logits
 
 
-def draft_head(hidden: torch.Tensor, head: "torch.Tensor | DraftHead") -> torch.Tensor:
+def draft_head(hidden: torch.Tensor, head: "torch.Tensor | DraftHead", scaling: Scaling = Scaling()) -> torch.Tensor:
     """Logits [B-1, V] of slots 1..B-1 from draft_hidden's [B, H], on the lm_head's device; `head`
-    is the lm_head weight [V, H] or a `DraftHead`."""
-    head = head if isinstance(head, DraftHead) else DraftHead.of(head)
+    is the lm_head weight [V, H] (its logits scaled by `scaling`) or a `DraftHead`."""
+    head = head if isinstance(head, DraftHead) else DraftHead.of(head, scaling=scaling)
     return head(hidden[1:])  # [B-1, V]
 
 
@@ -269,7 +280,7 @@ def draft_logits(drafter: DFlashDrafter, ctx: ContextCache, anchor: int, embed_w
     """Drafter logits [D, V] of the drafting slots of the block [anchor, MASK x (B-1)] at ctx.length,
     on the lm_head's device (before any previous-token conditioning of the architecture)."""
     hidden = draft_hidden(drafter, ctx, anchor, embed_weight, block_size)
-    head = head if isinstance(head, DraftHead) else DraftHead.of(head)
+    head = head if isinstance(head, DraftHead) else DraftHead.of(head, scaling=drafter.config.scaling)
     return head(hidden[drafter.drafted_offset:])
 
 
@@ -353,7 +364,8 @@ def speculative_generate(target_model, drafter: DFlashDrafter, embed_weight: tor
     block_size = block_size or drafter.config.block_size
     if isinstance(lm_head_weight, DraftHead) and draft_vocab is not None:
         raise ValueError("speculative_generate: pass draft_vocab or a DraftHead, not both")
-    head = lm_head_weight if isinstance(lm_head_weight, DraftHead) else DraftHead.of(lm_head_weight, draft_vocab)
+    head = lm_head_weight if isinstance(lm_head_weight, DraftHead) else DraftHead.of(
+        lm_head_weight, draft_vocab, drafter.config.scaling)
     eos, device = set(int(e) for e in eos_ids), prompt_ids.device
     _sync(device)
     t0 = time.perf_counter()

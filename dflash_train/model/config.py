@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from dataclasses import fields as dataclass_fields
 
 from dflash_train.model.attention import FULL, SLIDING
+from dflash_train.model.scaling import Scaling, scaling_problems, target_scaling
 from dflash_train.model.taps import build_target_layer_ids
 
 
@@ -58,6 +59,12 @@ class DrafterConfig:
     """DSpark: rank of the Markov logit bias W2 @ W1[previous token]."""
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    input_embedding_scale: float = 1.0
+    """The target's embedding scale (Gemma: sqrt(hidden_size)): block embeddings are table rows times it."""
+    output_multiplier: float = 1.0
+    """The target's logit multiplier: logits = lm_head(h) * output_multiplier (model/scaling.py)."""
+    final_logit_softcapping: float | None = None
+    """The target's logit soft cap c: logits = c * tanh(logits / c); None: no cap."""
     extra: dict = field(default_factory=dict, compare=False)
     """Optional z-lab keys read from a published checkpoint, carried through unchanged."""
 
@@ -76,6 +83,10 @@ class DrafterConfig:
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def scaling(self) -> Scaling:
+        return Scaling(self.input_embedding_scale, self.output_multiplier, self.final_logit_softcapping)
 
     def validate(self) -> None:
         """Raise ValueError naming the field for any setting that cannot work."""
@@ -106,6 +117,8 @@ class DrafterConfig:
         if SLIDING in self.layer_types and self.sliding_window < self.block_size:
             raise ValueError(f"sliding_window {self.sliding_window} is smaller than block_size {self.block_size}: "
                              "a block's own slots would fall out of each other's window")
+        for name, why in scaling_problems(self.scaling.as_dict()):
+            raise ValueError(f"{name}: {why}")
 
     def check_target(self, target_hidden_size: int, target_num_layers: int, target_vocab_size: int) -> None:
         """The drafter must match the target it drafts for: width, depth, embedding rows, and taps
@@ -164,22 +177,19 @@ MAX_ENGINE_HEAD_DIM = 256
 """FlashAttention's largest head size; vLLM serves DFlash drafters only on its flash_attn backend."""
 
 
-def check_servable(cfg, head_dim: int) -> None:
-    """Refuse targets whose drafter the engines (vLLM, SGLang, spec 3.1/3.3) could not run as trained:
-    a head size FlashAttention lacks (> 256), or a target that scales its embeddings or caps its logits (Gemma),
-    which this trainer's drafter does not reproduce (`dflash_config.input_embedding_scale` /
-    `final_logit_softcapping` are not written), so acceptance would collapse at inference."""
+def check_servable(cfg, head_dim: int) -> Scaling:
+    """Refuse targets whose drafter the engines (vLLM, SGLang, spec 3.1/3.3) could not run as trained: a
+    head size FlashAttention lacks (> 256), or a scaling of embeddings or logits that the z-lab fields
+    cannot express (model/scaling.py; each named). Returns the target's scaling, which the drafter copies."""
     name = getattr(cfg, "model_type", "target")
     if head_dim > MAX_ENGINE_HEAD_DIM:
         raise ValueError(f"{name}: head_dim {head_dim} cannot be served: the engines' FlashAttention backend "
                          f"takes at most {MAX_ENGINE_HEAD_DIM}")
-    if str(name).startswith("gemma"):
-        raise ValueError(f"{name}: the target scales its input embeddings by sqrt(hidden_size); the drafter "
-                         "reads the raw embedding table and exports no input_embedding_scale, so engines would "
-                         "feed it differently scaled inputs than training did (not supported yet)")
-    if getattr(cfg, "final_logit_softcapping", None):
-        raise ValueError(f"{name}: final_logit_softcapping={cfg.final_logit_softcapping} is not reproduced by "
-                         "the drafter's loss or export (not supported yet)")
+    scaling = target_scaling(cfg)
+    for field_name, why in scaling_problems(scaling.as_dict()):
+        raise ValueError(f"{name}: its {field_name.replace('_', ' ')} is {why}: dflash_config.{field_name} "
+                         "cannot express it for any engine")
+    return scaling
 
 
 def _intermediate_size(cfg) -> int:
@@ -212,7 +222,8 @@ def drafter_config_from_target(target_config, *, num_layers: int, block_size: in
                                target_layer_ids=None, num_taps: int = 5, sliding_window: int | None = None,
                                window_layers: str = "all", window_causal: bool = False,
                                vocab_size: int | None = None, arch: str = "dflash") -> DrafterConfig:
-    """Derive the drafter from the target: width, heads, head_dim, rope theta, eps, vocab, taps.
+    """Derive the drafter from the target: width, heads, head_dim, rope theta, eps, vocab, taps, and how
+    the target scales its embeddings and logits (model/scaling.py).
 
     With `sliding_window`, every layer is sliding_attention (`window_layers="all"`, the 2026
     drafters) or all but the last (`"all_but_last"`, the published Qwen3.6-27B drafter);
@@ -221,7 +232,7 @@ def drafter_config_from_target(target_config, *, num_layers: int, block_size: in
     cfg = _text_config(target_config)
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    check_servable(cfg, head_dim)
+    scaling = check_servable(cfg, head_dim)
     ids = tap_layer_ids(cfg.num_hidden_layers, num_taps, target_layer_ids)
     if window_layers not in WINDOW_LAYERS:
         raise ValueError(f"window_layers={window_layers!r}: expected one of {', '.join(WINDOW_LAYERS)}")
@@ -250,6 +261,7 @@ def drafter_config_from_target(target_config, *, num_layers: int, block_size: in
         arch=arch,
         bos_token_id=getattr(cfg, "bos_token_id", None),
         eos_token_id=getattr(cfg, "eos_token_id", None),
+        **scaling.as_dict(),
     )
 
 

@@ -78,16 +78,15 @@ class DSparkDrafter(DFlashDrafter):
         return self.markov_head.markov_w2(emb.to(self.markov_head.markov_w2.weight.dtype))  # [T, V]
 
     def greedy(self, rows, prev, logits_fn):
-        logits = logits_fn(rows)
-        return (logits + self._bias(prev).to(logits.device, logits.dtype)).argmax(-1)
+        """logits_fn(rows, bias) adds the bias [T, V] before the target's logit scaling (`DraftHead`)."""
+        return logits_fn(rows, bias=self._bias(prev)).argmax(-1)
 
     def propose(self, rows, anchor: int, logits_fn, temperature: float, generator=None):
         """Slot by slot: the bias of the token just drafted (the anchor first) on the slot's logits."""
-        logits = logits_fn(rows)  # [D, V]
         prev = torch.tensor([anchor], device=rows.device)
         tokens, qs = [], []
         for i in range(rows.shape[0]):
-            z = logits[i] + self._bias(prev)[0].to(logits.device, logits.dtype)
+            z = logits_fn(rows[i:i + 1], bias=self._bias(prev))[0]
             if temperature <= 0:
                 token = z.argmax().reshape(1)
             else:

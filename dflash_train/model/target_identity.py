@@ -58,9 +58,7 @@ def describe_target(model: str, gguf_file: str | None = None) -> TargetInfo:
     if gguf is not None:
         gguf_path = Path(path) / gguf
         quantization = f"gguf {gguf_file_type(gguf_path)}"
-        hf_dir = target_mod.gguf_cache_dir(gguf_path)
-        if not hf_dir.is_dir():
-            target_mod._convert_gguf_to_hf_dir(path, gguf, hf_dir)  # the one converter, shared with load_target
+        hf_dir = target_mod.converted_gguf_dir(path, gguf)  # load_target's one conversion, made once per cache
     else:
         hf_dir = _local_model_dir(model)
     serve = model if gguf is None and not Path(model).expanduser().is_dir() else str(hf_dir)  # a hub id: portable

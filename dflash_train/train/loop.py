@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 
 from dflash_train.config import RunConfig
-from dflash_train.data.text import check_data_format
 from dflash_train.diagnostics.threads import contention_notice
 from dflash_train.diagnostics.watchdog import Watchdog
 from dflash_train.eval.evaluate import eval_draft_vocab, evaluate
@@ -113,24 +112,28 @@ def train(cfg: RunConfig) -> dict:
     watchdog.start()
     p = Process(cfg, topo, device, dp_group, target_mesh, out_dir, _logger(topo), watchdog, StopFlag(), faults)
     try:
-        s = _prepare(p)
+        p, s = _prepare(p)
         return _serve(p, s) if topo.is_target else _train_drafter(p, s)
     finally:
         watchdog.stop()
 
 
-def _prepare(p: Process) -> Setup:
-    """Target, drafter config, samples (and stored taps), batching, resume point."""
+def _prepare(p: Process) -> tuple[Process, Setup]:
+    """Target, drafter config, samples (and stored taps), batching, resume point; the process's config
+    with `data.format` resolved from the target's tokenizer (`setup.resolve_format`)."""
     cfg, topo = p.cfg, p.topo
     notice = contention_notice(torch.get_num_threads())
     if notice:
         p.log(notice)
+    resolved = []  # the config with data.format resolved, set once the tokenizer has loaded
     with p.watchdog.stage("load target"):
         target = load_target(cfg.target.model, cfg.target.gguf_file, cfg.target.dtype, p.device,
-                             cfg.target.trust_remote_code, check_tokenizer=lambda tok: check_data_format(
-                                 cfg.data.format, tok, cfg.target.model, cfg.eval.num_prompts),
+                             cfg.target.trust_remote_code,
+                             check_tokenizer=lambda tok: resolved.append(setup.resolve_format(cfg, tok, p.log)),
                              tp_mesh=p.target_mesh, subset=setup.target_subset(cfg, topo, p.log),
                              pipeline=setup.pipeline_stage(topo))
+        p = dataclasses.replace(p, cfg=resolved[0])
+        cfg = p.cfg
         if cfg.target.precision == "fp8":
             target.quantize_fp8(log=p.log)  # before compile_layers and the regeneration pass
     dcfg = setup.build_drafter_config(cfg, target)
@@ -154,7 +157,7 @@ def _prepare(p: Process) -> Setup:
     prov = Provenance(fingerprints(cfg, target, dcfg, data.train), cfg.train.allow_changed, p.log)
     if resume is not None:  # before any state is loaded, on every rank: a mismatch stops them all
         prov.load_state_dict(resume[1].get("provenance", {}))
-    return Setup(target, dcfg, data, feed, total_steps, backend, compiled, checkpointer, resume, prov, precision)
+    return p, Setup(target, dcfg, data, feed, total_steps, backend, compiled, checkpointer, resume, prov, precision)
 
 
 def _balance_due(p: Process, s: Setup, step: int) -> bool:
@@ -408,9 +411,9 @@ def _log_step(metrics: MetricsLog, record: dict) -> None:
                         "sim_tau": f"{record['sim_tau']:.2f}", "tok/s": f"{record['tokens_per_s']:.0f}"})
 
 
-def _eval_prompt_sets(cfg: RunConfig, target, out_dir: Path) -> dict:
+def _eval_prompt_sets(cfg: RunConfig, target, out_dir: Path, log) -> dict:
     context = SetContext(target=target, data=cfg.data, seed=cfg.train.seed, cache_dir=out_dir / "data")
-    return load_prompt_sets(cfg.eval.prompts, cfg.eval.num_prompts, context)
+    return load_prompt_sets(cfg.eval.prompts, cfg.eval.num_prompts, context, log)
 
 
 def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log, heartbeat, ctx: StepContext) -> dict:
@@ -422,10 +425,11 @@ def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log, he
             "on an H200 (dynamic activation scaling at every linear; docs/LOG.md, session 7)")
     vocab = eval_draft_vocab(cfg.eval, drafter_dir, drafter, log)
     with torch.compiler.set_stance("force_eager"):  # decoding shapes change every step: no compiled layers
-        report = evaluate(drafter, target, _eval_prompt_sets(cfg, target, out_dir), max_new_tokens=cfg.eval.max_new_tokens,
+        report = evaluate(drafter, target, _eval_prompt_sets(cfg, target, out_dir, log), max_new_tokens=cfg.eval.max_new_tokens,
                           temperature=cfg.eval.temperature, thinking=cfg.data.thinking, seed=cfg.train.seed,
                           out_dir=out_dir / "eval", heartbeat=heartbeat,
-                          simulate=simulator(drafter, target, ctx, vocab), draft_vocab=vocab)
+                          simulate=simulator(drafter, target, ctx, vocab), draft_vocab=vocab,
+                          text_prompt_tokens=cfg.data.text_prompt_tokens)
     for name, figures in report["sets"].items():
         log(f"eval [{name}]: tau {figures['tau']:.3f} (simulated on the same text {figures['sim_tau']:.3f}: "
             f"{figures['sim_tau'] / figures['tau'] - 1:+.0%}; per anchor {figures['sim_tau_anchors']:.3f}), "

@@ -7,8 +7,7 @@ with no hidden state.
 from __future__ import annotations
 
 import dataclasses
-
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,10 +18,12 @@ from dflash_train.data.anchors import all_anchors
 from dflash_train.data.dataset import load_samples, prepare_samples, split_held_out
 from dflash_train.data.dataset import prepare_tapped as prepare_tapped_samples
 from dflash_train.data.shards import ShardReader
+from dflash_train.data.text import has_chat_template, resolve_data_format
+from dflash_train.eval.prompt_sets import check_prompt_sets
 from dflash_train.model.config import DrafterConfig, drafter_config_from_target
 from dflash_train.model.architectures import build_drafter
 from dflash_train.model.drafter import DFlashDrafter
-from dflash_train.model.target import resolve_mask_token_id
+from dflash_train.model.target import norm_factor, resolve_mask_token_id
 from dflash_train.model.target_subset import TargetSubset
 from dflash_train.train.batching import MicroBatch, Sample, padded_length
 from dflash_train.train.taps import FINAL_HIDDEN, StoredRows, TapsSpec
@@ -80,6 +81,17 @@ def pipeline_stage(topo: Topology) -> tuple[list[int], int] | None:
     return topo.target_groups[topo.target_group_index], topo.rank
 
 
+def resolve_format(cfg: RunConfig, tokenizer, log) -> RunConfig:
+    """`cfg` with `data.format` resolved from the target's tokenizer (auto: chat with a chat template, text
+    without), said in one line, and the eval's prompt sets checked against it; run right after the
+    tokenizer loads, before the weights (the one place the format is decided)."""
+    fmt, why = resolve_data_format(cfg.data.format, tokenizer, cfg.target.model)
+    log(f"data: {'plain-text continuations' if fmt == 'text' else 'conversations'} (data.format={fmt}: {why})")
+    if cfg.eval.num_prompts > 0:
+        check_prompt_sets(cfg.eval.prompts, fmt, has_chat_template(tokenizer))
+    return replace(cfg, data=replace(cfg.data, format=fmt))
+
+
 def build_drafter_config(cfg: RunConfig, target) -> DrafterConfig:
     mask_id = resolve_mask_token_id(target.tokenizer, target.vocab_size, cfg.drafter.mask_token_id)
     dcfg = drafter_config_from_target(target.config, num_layers=cfg.drafter.num_layers,
@@ -92,6 +104,10 @@ def build_drafter_config(cfg: RunConfig, target) -> DrafterConfig:
                                conv_group_size=cfg.drafter.conv_group_size, selector_rank=cfg.drafter.selector_rank,
                                selector_top_k=cfg.drafter.selector_top_k, markov_rank=cfg.drafter.markov_rank)
     dcfg.check_target(target.hidden_size, target.num_layers, target.vocab_size)
+    problems = target.scaling_problems(dcfg.scaling)  # the derived scaling, against the target's own forward
+    if problems:
+        raise ValueError(f"target {cfg.target.model} ({target.config.model_type}) cannot be drafted for as the "
+                         "engines run a DFlash drafter:\n  " + "\n  ".join(problems))
     return dcfg
 
 
@@ -121,23 +137,36 @@ def init_drafter(dcfg: DrafterConfig, target, seed: int, from_target: bool, devi
 
 
 def _copy_from_target(drafter: DFlashDrafter, target) -> None:
+    """Norm weights are copied as the factor the target's norm applies (`norm_factor`: Gemma's
+    `1 + w`), the drafter's norms being `x * w`."""
     with torch.no_grad():
-        norm = getattr(target.final_norm, "weight", None)
+        norm = norm_factor(target.final_norm)
         if norm is not None and norm.shape == drafter.norm.weight.shape:
-            drafter.norm.weight.copy_(norm.float())
+            drafter.norm.weight.copy_(norm)
         source_layers = list(target.layers)[-len(drafter.layers):]
         hidden = drafter.config.hidden_size
         drafter.fc.weight.zero_()
         drafter.fc.weight[:, -hidden:].copy_(torch.eye(hidden))  # [H, K*H]: pick the last tap
-        first_norm = getattr(getattr(source_layers[0], "input_layernorm", None), "weight", None)
+        first_norm = getattr(source_layers[0], "input_layernorm", None)
+        first_norm = norm_factor(first_norm) if first_norm is not None else None
         if first_norm is not None and first_norm.shape == drafter.hidden_norm.weight.shape:
-            drafter.hidden_norm.weight.copy_(first_norm.float())
+            drafter.hidden_norm.weight.copy_(first_norm)
         for ours, theirs in zip(drafter.layers, source_layers):
             theirs_state = theirs.state_dict()
             for name, param in ours.state_dict().items():
                 src = theirs_state.get(name)
                 if src is not None and not src.is_meta and src.shape == param.shape:  # meta: not held
-                    param.copy_(_dense(src).float())
+                    param.copy_(_copied(theirs, name, src))
+
+
+def _copied(layer, name: str, src: torch.Tensor) -> torch.Tensor:
+    """A target layer's tensor as the drafter's layer takes it: a norm's factor (`norm_factor`, where it
+    reads as one), any other weight as it is."""
+    if name.endswith("norm.weight"):
+        factor = norm_factor(layer.get_submodule(name.removesuffix(".weight")))
+        if factor is not None:
+            return factor
+    return _dense(src).float()
 
 
 def _dense(weight: torch.Tensor) -> torch.Tensor:

@@ -61,7 +61,7 @@ def anchor_acceptance(drafter, batch: dict, ctx: StepContext,
                                           drafter.drafted(ctx.block_size))
     b, n, drafted = labels.shape
     rows = drafter.drafted_rows(hidden, ctx.block_size).reshape(b * n * drafted, -1)  # [b*N*D, H]
-    head = head or DraftHead.of(ctx.lm_head_weight)
+    head = head or DraftHead.of(ctx.lm_head_weight, scaling=ctx.drafter.scaling)
     pred = torch.cat([drafter.greedy(r, p, head).to(labels.device)
                       for r, p in zip(rows.split(ARGMAX_ROWS), prev.reshape(-1).split(ARGMAX_ROWS))])
     correct = (pred.view(b, n, drafted) == labels) & valid  # [b, N, D]
@@ -89,7 +89,7 @@ def simulated_walks(drafter, target, ctx: StepContext, sequences: list[tuple[lis
     spec = taps_spec(drafter.config, target.dtype)
     eval_ctx, layer_ids = eval_context(ctx), list(drafter.config.target_layer_ids)
     walks, anchor_sum, anchor_count = [], 0, 0
-    head = DraftHead.of(ctx.lm_head_weight, draft_vocab)  # once: the subset's rows are a copy
+    head = DraftHead.of(ctx.lm_head_weight, draft_vocab, ctx.drafter.scaling)  # once: the subset's rows are a copy
     was_training = drafter.training
     drafter.eval()
     with torch.no_grad():

@@ -24,6 +24,7 @@ from dflash_train.data.anchors import block_inputs, drafted_targets, position_id
 from dflash_train.model.attention import MaskSpec, PersistentMasks, build_training_masks
 from dflash_train.model.config import DrafterConfig
 from dflash_train.model.logits import LogitTransform
+from dflash_train.model.scaling import scale_embeddings
 from dflash_train.train.batching import MicroBatch, to_device
 from dflash_train.train.grads import float32_grads
 from dflash_train.train.loss import CE, LossMix, LossStats, Objective, block_loss, teacher_hidden_at
@@ -81,8 +82,8 @@ def drafter_hidden(model, batch: dict, ctx: StepContext) -> torch.Tensor:
     input_ids, anchors, keep, taps = batch["input_ids"], batch["anchors"], batch["keep"], batch["taps"]
     seq_len, num_anchors = input_ids.shape[1], anchors.shape[1]
     dcfg = ctx.drafter
-    block_embeds = F.embedding(block_inputs(input_ids, anchors, dcfg.block_size, dcfg.mask_token_id),
-                               ctx.embed_weight)  # [b, N*B, H]
+    block_embeds = scale_embeddings(F.embedding(block_inputs(input_ids, anchors, dcfg.block_size, dcfg.mask_token_id),
+                                                ctx.embed_weight), dcfg.input_embedding_scale)  # [b, N*B, H]
     spec = MaskSpec(seq_len, dcfg.block_size, num_anchors, dcfg.sliding_window, dcfg.window_causal)
     masks = build_training_masks(spec, dcfg.layer_types, anchors, keep, ctx.backend,
                                  persistent=ctx.persistent_masks)

@@ -1,5 +1,6 @@
-"""Base models (no chat template): `data.format=text` trains on plain-text continuations, and the chat
-format refuses such a target right after its tokenizer loads, naming the option."""
+"""Base models (no chat template): `data.format=auto` (the default) trains them on plain-text
+continuations, the chat format refuses such a target right after its tokenizer loads, naming the
+option, and the end-of-run eval decodes text prefixes."""
 
 from __future__ import annotations
 
@@ -10,10 +11,10 @@ import signal
 import pytest
 import torch
 
-from dflash_train import recipes
+from dflash_train import cli, recipes
 from dflash_train.config import DataConfig, apply_overrides
 from dflash_train.data.rows import DataError
-from dflash_train.data.text import check_data_format, continuation_samples, read_documents, split_point
+from dflash_train.data.text import continuation_samples, read_documents, resolve_data_format, split_point
 from dflash_train.train.loop import train
 from tests.conftest import save_tiny_qwen3_dir
 
@@ -61,7 +62,7 @@ def documents(tmp_path_factory):
 def _config(model_dir, docs, out, *extra):
     return apply_overrides(recipes.get("tiny"), [
         f"target.model={model_dir}", f"data.train={docs}", f"train.out_dir={out}", "target.dtype=float32",
-        "data.format=text", "data.text_prompt_tokens=12", "data.regen_max_new_tokens=10", "data.eval_fraction=0.34",
+        "data.text_prompt_tokens=12", "data.regen_max_new_tokens=10", "data.eval_fraction=0.34",
         "train.max_steps=2", "train.seqs_per_step=2", "train.compile=off", "train.attention=sdpa",
         "eval.num_prompts=0", "drafter.num_taps=3", *extra])  # 6 target layers: 3 distinct taps
 
@@ -83,17 +84,18 @@ def test_split_point_and_document_reading(tmp_path):
     assert bad.counts == {"missing_field": 1}
 
 
-def test_chat_format_needs_a_template_and_text_format_a_known_name(smollm2_tokenizer):
+def test_auto_format_follows_the_chat_template_and_chat_needs_one(smollm2_tokenizer):
     base = copy.deepcopy(smollm2_tokenizer)
     base.chat_template = None
-    check_data_format("chat", smollm2_tokenizer, "t")
-    check_data_format("text", base, "t")
+    assert resolve_data_format("auto", smollm2_tokenizer, "t")[0] == "chat"
+    fmt, why = resolve_data_format("auto", base, "t")
+    assert fmt == "text" and "no chat template" in why
+    assert resolve_data_format("text", smollm2_tokenizer, "t")[0] == "text"
+    assert resolve_data_format("chat", smollm2_tokenizer, "t")[0] == "chat"
     with pytest.raises(ValueError, match="no chat template.*set data.format=text"):
-        check_data_format("chat", base, "t")
-    with pytest.raises(ValueError, match="set eval.num_prompts=0"):
-        check_data_format("text", base, "t", eval_prompts=2)
+        resolve_data_format("chat", base, "t")
     with pytest.raises(ValueError, match="data.format='prose'"):
-        check_data_format("prose", smollm2_tokenizer, "t")
+        resolve_data_format("prose", smollm2_tokenizer, "t")
 
 
 def test_continuations_are_the_targets_greedy_ones_with_loss_on_them_only(tiny_qwen3_target, documents):
@@ -135,3 +137,57 @@ def test_chat_format_on_a_base_model_fails_before_the_weights_load(base_model_di
         train(_config(base_model_dir, documents, tmp_path / "run", "data.format=chat"))
     printed = capsys.readouterr().out
     assert "target: loading" in printed and "target: loaded" not in printed
+
+
+def test_chat_prompt_sets_on_a_base_model_fail_before_the_weights_load(base_model_dir, documents, tmp_path):
+    with pytest.raises(ValueError, match="chitchat render chat prompts.*no chat template.*heldout, prose"):
+        train(_config(base_model_dir, documents, tmp_path / "run", "eval.num_prompts=2", "eval.prompts=chitchat"))
+
+
+@pytest.fixture(scope="module")
+def gemma3_base_dir(smollm2_tokenizer, tmp_path_factory):
+    """A seeded random text-only Gemma 3 (embeddings scaled by sqrt(hidden_size)) saved with the SmolLM2
+    tokenizer minus its chat template: a base model of a family that scales its embeddings."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.chat_template = None
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=len(tokenizer), sliding_window=16,
+                           max_position_embeddings=4096, initializer_range=0.2)
+    model = Gemma3ForCausalLM(cfg).eval()
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    out = tmp_path_factory.mktemp("gemma3_base")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_a_base_gemma3_trains_exports_checks_and_evaluates_on_text(gemma3_base_dir, documents, tmp_path, capsys):
+    """No option but the target: text continuation is picked from the tokenizer (one line), the drafter
+    trains with the target's embedding scale and exports it, the export passes the serving check against
+    the target directory, and the end-of-run eval decodes held-out and embedded text prefixes, lossless
+    (float32) with a real tau per set."""
+    from dflash_train.model.serving_check import check_drafter
+    from dflash_train.model.target_identity import describe_target
+
+    out = tmp_path / "run"
+    result = train(_config(gemma3_base_dir, documents, out, "eval.num_prompts=2"))
+    printed = capsys.readouterr().out
+    assert "data: plain-text continuations (data.format=text: the tokenizer has no chat template" in printed
+    exported = json.loads((out / "drafter" / "config.json").read_text())["dflash_config"]
+    assert exported["input_embedding_scale"] == 8.0  # sqrt(64)
+    assert "output_multiplier" not in exported and "final_logit_softcapping" not in exported
+    assert check_drafter(out / "drafter", describe_target(str(gemma3_base_dir))) == []
+    assert set(result["eval"]) == {"heldout", "prose"}
+    for figures in result["eval"].values():
+        assert figures["num_prompts"] >= 1 and figures["identical_outputs"] == figures["num_prompts"]
+        assert 1.0 <= figures["tau"] <= 4.0 and figures["steps"] > 0
+    assert "eval [prose]: tau" in printed
+    # the eval command picks the text sets for this target by itself too
+    assert cli.main(["eval", "--drafter", str(out / "drafter"), "--target", str(gemma3_base_dir), "--num-prompts", "1",
+                     "--max-new-tokens", "8", "--out", str(tmp_path / "eval"), "--no-progress", "--dtype", "float32",
+                     "--prompts", "prose"]) == 0
+    printed = capsys.readouterr().out
+    assert "data.format=text" in printed and json.loads((tmp_path / "eval" / "report.json").read_text())["sets"]["prose"]

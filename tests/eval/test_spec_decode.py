@@ -11,6 +11,7 @@ from eval_helpers import BigramLM, tiny_drafter, tiny_target
 
 from dflash_train.eval import spec_decode
 from dflash_train.eval.spec_decode import DraftHead, accept_greedy, speculative_generate, target_generate
+from dflash_train.model.scaling import Scaling
 
 
 def _spec(target, drafter, prompt, n, eos=(), block_size=None, temperature=0.0, generator=None):
@@ -122,6 +123,22 @@ def test_a_draft_vocabulary_scores_only_its_rows(rows):
     assert (full.argmax(-1) != restricted.argmax(-1)).any()  # the subset changes some drafts here
 
 
+def test_draft_logits_are_scaled_as_the_targets_before_the_subset_masks_the_rest():
+    """A target's output_multiplier and soft cap apply to the drafter's scores too (model/scaling.py), inside
+    a draft vocabulary as over the whole head, and the tokens outside stay -inf (tanh(-inf) would be -cap)."""
+    g = torch.Generator().manual_seed(0)
+    weight, hidden = torch.randn(50, 8, generator=g), torch.randn(5, 8, generator=g) * 10
+    ids = torch.tensor([1, 4, 5, 17, 30, 49])
+    scaling = Scaling(1.0, 0.5, 3.0)
+    want = 3.0 * torch.tanh(hidden[1:] @ weight.T * 0.5 / 3.0)  # [4, 50]
+    torch.testing.assert_close(spec_decode.draft_head(hidden, weight, scaling), want)
+    restricted = spec_decode.draft_head(hidden, DraftHead.of(weight, ids, scaling))
+    torch.testing.assert_close(restricted[:, ids], want[:, ids])
+    outside = torch.ones(50, dtype=torch.bool)
+    outside[ids] = False
+    assert torch.isneginf(restricted[:, outside]).all() and want.abs().max() <= 3.0
+
+
 def test_greedy_with_a_draft_vocabulary_equals_target_and_drafts_inside_it(qwen3, prompts, monkeypatch):
     """Lossless with a draft vocabulary; every proposed token is one of its ids."""
     drafter = tiny_drafter(qwen3.config, block_size=4)
@@ -191,7 +208,8 @@ class StubDrafter(torch.nn.Module):
 
     def __init__(self, block_size: int, mask_token_id: int):
         super().__init__()
-        self.config = SimpleNamespace(block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=(0, 2))
+        self.config = SimpleNamespace(block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=(0, 2),
+                                      scaling=Scaling(), input_embedding_scale=1.0)
         self.dummy = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
 
     def fuse_context(self, taps):

@@ -4,7 +4,8 @@
 Each is a tiny seeded random model over the SmolLM2 tokenizer (so the real chat template is used),
 wrapped as a `Target`, and checked against references: taps vs HF `output_hidden_states` (z-lab
 semantics, id i = hidden_states[i + 1]), regenerate+tap vs a separate full forward of the final
-ids, and the derived drafter config vs the target (dflash-spec.md 1.2, 1.7, 3.1)."""
+ids, the derived drafter config vs the target (dflash-spec.md 1.2, 1.7, 3.1), and the derived embedding
+and logit scaling vs the target's own forward (model/scaling.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from dflash_train.data.regen_taps import has_recurrent_layers, regenerate_with_t
 from dflash_train.model.attention import FULL, SLIDING
 from dflash_train.model.config import drafter_config_from_target
 from dflash_train.model.hf_format import zlab_config_dict
+from dflash_train.model.scaling import Scaling
 from dflash_train.model.target import Target
 
 SMALL = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
@@ -51,7 +53,17 @@ ARCHS = {
                                      "original_max_position_embeddings": 64}), 500000.0),
 }
 MOE = {"qwen3_moe", "qwen3_next", "gpt_oss"}
-NOT_SERVABLE = {"gemma3": "input_embedding_scale"}  # scaled embeddings: refused with this in the message
+EMBED_SCALE = {"gemma3": 8.0}  # sqrt(hidden_size): the drafter's block embeddings are scaled as the target's
+# Targets that scale their logits (model/scaling.py), checked against their own forward; not trained for yet
+SCALED_LOGITS = {
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(num_hidden_layers=3, intermediate_size=128, sliding_window=8),
+               (8.0, 1.0, 30.0)),
+    "granite": ("GraniteConfig", "GraniteForCausalLM",
+                dict(num_hidden_layers=3, intermediate_size=128, embedding_multiplier=12.0, logits_scaling=8.0),
+                (12.0, 0.125, None)),
+    "cohere": ("CohereConfig", "CohereForCausalLM", dict(num_hidden_layers=3, intermediate_size=128, logit_scale=0.0625),
+               (1.0, 0.0625, None)),
+}
 # Experts add their outputs in float32 in an order that depends on the batch's routing, so MoE taps
 # match HF's to float32 rounding; dense and hybrid ones match exactly.
 MOE_ATOL = 1e-5
@@ -131,11 +143,8 @@ def test_drafter_config_follows_the_target(name):
     layer_types (never the target's linear/sliding pattern); no partial rotary, rope scaling or M-RoPE;
     a dense MLP of 3 x hidden for MoE targets."""
     cfg = tiny_config(name, vocab_size=300)
-    if name in NOT_SERVABLE:
-        with pytest.raises(ValueError, match=NOT_SERVABLE[name]):
-            drafter_config_from_target(cfg, num_layers=2, block_size=4, mask_token_id=7, target_layer_ids=(0, 1))
-        return
     d = drafter_config_from_target(cfg, num_layers=2, block_size=4, mask_token_id=7, target_layer_ids=(0, 1))
+    assert d.scaling == Scaling(EMBED_SCALE.get(name, 1.0), 1.0, None)
     assert (d.hidden_size, d.head_dim, d.num_heads, d.num_kv_heads, d.vocab_size) == (64, 16, 4, 2, 300)
     assert d.rope_theta == ARCHS[name][3]
     assert d.layer_types == (FULL, FULL) and d.sliding_window is None
@@ -151,6 +160,35 @@ def test_drafter_config_follows_the_target(name):
     assert exported["rope_theta"] == ARCHS[name][3] and exported["rope_scaling"] is None
     assert exported["head_dim"] == 16 and exported["vocab_size"] == 300 and exported["hidden_size"] == 64
     assert not {"partial_rotary_factor", "mrope_section", "rope_parameters"} & set(exported)
+    assert exported["dflash_config"].get("input_embedding_scale") == EMBED_SCALE.get(name)  # absent: the identity
+
+
+def test_the_derived_scaling_is_the_targets_own_forward(arch_target):
+    """The scaling the drafter copies (derived from the config) equals what the target's forward does: its
+    first layer reads the embedding rows times the scale, its logits are the final hidden's lm_head scores;
+    a wrong scaling is named."""
+    name, target = arch_target
+    d = drafter_config_from_target(target.config, num_layers=1, block_size=4, mask_token_id=7, target_layer_ids=(0,))
+    assert target.scaling_problems(d.scaling) == []
+    wrong = target.scaling_problems(Scaling(d.input_embedding_scale * 2, 1.0, None))
+    assert len(wrong) == 1 and wrong[0].startswith("input_embedding_scale")
+    assert target.scaling_problems(Scaling(d.input_embedding_scale, 1.0, 0.5))[0].startswith("output_multiplier")
+
+
+@pytest.mark.parametrize("name", list(SCALED_LOGITS))
+def test_targets_that_scale_their_logits_are_derived_and_measured(name):
+    """Gemma 2 (soft cap 30, a default its config.json leaves out), Granite (divides by logits_scaling)
+    and Cohere (multiplies by logit_scale): the derived fields equal the tiny model's own forward."""
+    config_name, model_name, kwargs, expected = SCALED_LOGITS[name]
+    if not hasattr(transformers, config_name):
+        pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_name)(**SMALL, **kwargs, vocab_size=300)
+    target = Target(model=getattr(transformers, model_name)(cfg).eval(), tokenizer=None, name=name)
+    d = drafter_config_from_target(cfg, num_layers=1, block_size=4, mask_token_id=7, target_layer_ids=(0,))
+    assert (d.input_embedding_scale, d.output_multiplier, d.final_logit_softcapping) == expected
+    assert target.scaling_problems(d.scaling) == []
+    assert target.scaling_problems(Scaling(expected[0], expected[1] * 2, expected[2])) != []  # measured, not assumed
 
 
 def test_multimodal_qwen3_5_derives_from_its_text_config():

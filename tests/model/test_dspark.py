@@ -21,7 +21,7 @@ def test_a_fresh_dspark_drafts_as_dflash_from_every_slot():
     rows = torch.randn(4, H, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     lm_head = torch.randn(V, H, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     prev = torch.tensor([5, 6, 7, 8])
-    assert torch.equal(drafter.greedy(rows, prev, lambda r: r @ lm_head.T), (rows @ lm_head.T).argmax(-1))
+    assert torch.equal(drafter.greedy(rows, prev, lambda r, bias=None: r @ lm_head.T + (0 if bias is None else bias)), (rows @ lm_head.T).argmax(-1))
     ids = torch.arange(10)[None]
     labels, valid, prev = drafted_targets(ids, torch.ones(1, 10, dtype=torch.long), torch.tensor([[2]]),
                                           torch.tensor([[True]]), 4)
@@ -84,9 +84,9 @@ def test_the_dspark_walk_equals_a_brute_force_walk():
         for i in range(4):
             prev = int((rows[i] @ lm_head.T + w2 @ w1[prev]).argmax())
             chain.append(prev)
-        tokens, q = drafter.propose(rows, anchor, lambda r: r @ lm_head.T, 0.0)
+        tokens, q = drafter.propose(rows, anchor, lambda r, bias=None: r @ lm_head.T + (0 if bias is None else bias), 0.0)
         assert q is None and tokens.tolist() == chain
-    tokens, q = drafter.propose(rows, 40, lambda r: r @ lm_head.T, 0.8, torch.Generator().manual_seed(1))
+    tokens, q = drafter.propose(rows, 40, lambda r, bias=None: r @ lm_head.T + (0 if bias is None else bias), 0.8, torch.Generator().manual_seed(1))
     first = torch.softmax((rows[0] @ lm_head.T + w2 @ w1[40]).double() / 0.8, -1)
     torch.testing.assert_close(q[0], first)  # each row the conditional of the token drawn before it
     second = torch.softmax((rows[1] @ lm_head.T + w2 @ w1[int(tokens[0])]).double() / 0.8, -1)

@@ -125,3 +125,34 @@ def test_a_draft_vocabulary_travels_with_the_export_and_malformed_ones_are_named
             load_draft_vocab(out, 50)
     (out / DRAFT_VOCAB).write_text(json.dumps(draft_vocab_file(range(50))))
     assert load_draft_vocab(out, 50) is None  # every token: drafting over it is the plain head
+
+
+def test_a_targets_scaling_is_written_where_not_the_identity_and_read_back(tmp_path):
+    """dflash_config carries input_embedding_scale, output_multiplier and final_logit_softcapping only when
+    they are not the identity (so an unscaled target's export is unchanged), and reads them back, from
+    dflash_config or, as z-lab's dflash falls back, the top level; the speculators format, which has no
+    field for them, refuses such a drafter."""
+    import dataclasses
+
+    plain = small_drafter()
+    plain_dict = zlab_config_dict(plain.config)
+    assert not {"input_embedding_scale", "output_multiplier", "final_logit_softcapping"} & (
+        set(plain_dict["dflash_config"]) | set(plain_dict))
+    cfg = dataclasses.replace(plain.config, input_embedding_scale=25.298221281347036, output_multiplier=0.125,
+                              final_logit_softcapping=30.0)
+    scaled = DFlashDrafter(cfg)
+    scaled.load_state_dict(plain.state_dict())
+    out = save_zlab(scaled, tmp_path / "scaled")
+    written = json.loads((out / "config.json").read_text())
+    assert {k: written["dflash_config"][k] for k in ("input_embedding_scale", "output_multiplier",
+                                                      "final_logit_softcapping")} == {
+        "input_embedding_scale": 25.298221281347036, "output_multiplier": 0.125, "final_logit_softcapping": 30.0}
+    assert load_zlab(out).config == cfg
+    top_level = dict(written)
+    top_level["final_logit_softcapping"] = top_level["dflash_config"].pop("final_logit_softcapping")
+    (out / "config.json").write_text(json.dumps(top_level))
+    assert load_zlab(out).config.final_logit_softcapping == 30.0
+    with pytest.raises(ValueError, match="speculators.*dflash_config.input_embedding_scale=25.29"):
+        save_speculators(scaled, tmp_path / "spec", torch.randn(50, 32), torch.randn(50, 32), "t", ["X"])
+    with pytest.raises(ValueError, match="output_multiplier: -1.0 is not a finite number > 0"):
+        dataclasses.replace(cfg, output_multiplier=-1.0)

@@ -243,3 +243,56 @@ def test_a_windowed_drafter_exports_what_it_trained_and_the_check_sees_a_lost_ca
         (out / "config.json").write_text(json.dumps(config))
         failures = check_drafter(out, target, trained=drafter)
         assert "training.window_causal" in fields(failures)
+
+
+@pytest.fixture(scope="module")
+def gemma3_dir(smollm2_tokenizer, tmp_path_factory):
+    """A tiny random Gemma 3 (embeddings scaled by sqrt(64) = 8) of the tiny Qwen3's shape, as an HF dir."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                           num_key_value_heads=2, head_dim=16, vocab_size=len(smollm2_tokenizer), sliding_window=16)
+    out = tmp_path_factory.mktemp("gemma3")
+    Gemma3ForCausalLM(cfg).save_pretrained(out)
+    smollm2_tokenizer.save_pretrained(out)
+    return out
+
+
+def test_a_scaled_targets_fields_are_checked_against_the_target(gemma3_dir, tiny_qwen3_dir, tmp_path, capsys):
+    """The Gemma drafter's dflash_config.input_embedding_scale must be the target's own scale: it passes
+    against the Gemma target, fails (naming the field) against an unscaled one of the same shape and when
+    the field is dropped, and a value no engine can apply fails; `check` notes which engines ignore it."""
+    from transformers import AutoConfig
+
+    gemma = describe_target(str(gemma3_dir))
+    drafter = tiny_drafter(AutoConfig.from_pretrained(gemma3_dir))
+    assert drafter.config.input_embedding_scale == 8.0
+    out = export_drafter(drafter, tmp_path / "gemma-drafter", str(gemma3_dir))
+    assert check_drafter(out, gemma) == []
+    unrecorded = save_zlab(drafter, tmp_path / "unrecorded")
+    failures = check_drafter(unrecorded, describe_target(str(tiny_qwen3_dir)))
+    assert fields(failures) == {"dflash_config.input_embedding_scale"}
+    assert "8.0 but the target" in failures[0].message and "scales its input embeddings by 1.0" in failures[0].message
+    config = json.loads((unrecorded / "config.json").read_text())
+    del config["dflash_config"]["input_embedding_scale"]
+    (unrecorded / "config.json").write_text(json.dumps(config))
+    assert fields(check_drafter(unrecorded, gemma)) == {"dflash_config.input_embedding_scale"}
+    config["dflash_config"]["output_multiplier"] = 0
+    (unrecorded / "config.json").write_text(json.dumps(config))
+    failures = check_drafter(unrecorded, gemma)
+    assert "dflash_config.output_multiplier" in fields(failures)
+    assert any("no engine can apply it" in f.message for f in failures)
+    assert cli.main(["check", str(out), "--target", str(gemma3_dir)]) == 0
+    notes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("check: note:")]
+    assert len(notes) == 1 and "dflash_config.input_embedding_scale=8.0" in notes[0] and "vLLM" in notes[0]
+
+
+def test_a_top_level_scale_is_read_as_the_engines_read_it_and_checked_against_the_target(bad, target):
+    """z-lab's dflash falls back to a top-level input_embedding_scale; the trainer reads it the same way (the
+    forward, run on scaled block embeddings on both sides, agrees), and it is not the target's 1.0."""
+    out, config, _, write = bad
+    config["input_embedding_scale"] = 2.0
+    assert load_zlab(write()).config.input_embedding_scale == 2.0
+    failures = check_drafter(out, target)
+    assert fields(failures) == {"dflash_config.input_embedding_scale"}

@@ -58,3 +58,54 @@ def test_data_caches_are_keyed_by_the_targets_numerics(tiny_qwen3_target):
     assert len(names) == 3, names
     assert len({cache_key(cfg.data, name, 0) for name in names}) == 3
     assert data_source_name(cfg, tiny_qwen3_target) == f"{cfg.target.model}|float32"
+
+
+def _tiny_target(config_name: str, model_name: str, tokenizer, **kwargs):
+    import torch
+    import transformers
+
+    from dflash_train.model.target import Target
+
+    torch.manual_seed(0)
+    cfg = getattr(transformers, config_name)(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                             vocab_size=len(tokenizer), **kwargs)
+    return Target(model=getattr(transformers, model_name)(cfg).eval(), tokenizer=tokenizer, name=config_name)
+
+
+def test_a_target_with_scaled_logits_trains_against_the_logits_it_is_served_with(smollm2_tokenizer):
+    """Gemma 3 scales its embeddings, Cohere its logits (logit_scale): both drafter configs carry the
+    factor, and the training loss's transform is Cohere's multiplier (its math: tests/train/test_loss.py)."""
+    from dflash_train.model.logits import LogitTransform
+    from dflash_train.train.setup import build_drafter_config
+
+    cfg = _cfg("drafter.num_taps=1")
+    gemma = _tiny_target("Gemma3TextConfig", "Gemma3ForCausalLM", smollm2_tokenizer, sliding_window=8)
+    assert build_drafter_config(cfg, gemma).input_embedding_scale == 8.0
+    cohere = _tiny_target("CohereConfig", "CohereForCausalLM", smollm2_tokenizer, logit_scale=0.0625)
+    dcfg = build_drafter_config(cfg, cohere)
+    assert dcfg.output_multiplier == 0.0625 and LogitTransform.of(dcfg) == LogitTransform(0.0625, None)
+
+
+def test_init_from_target_copies_the_factor_a_norm_applies(smollm2_tokenizer):
+    """Gemma's norms multiply by 1 + w: the drafter's `x * w` norms start from that factor (`norm_factor`)."""
+    import torch
+
+    from dflash_train.model.config import drafter_config_from_target
+    from dflash_train.model.target import norm_factor
+    from dflash_train.train.setup import init_drafter
+
+    gemma = _tiny_target("Gemma3TextConfig", "Gemma3ForCausalLM", smollm2_tokenizer, sliding_window=8)
+    with torch.no_grad():
+        for name, p in gemma.model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(-0.5, 0.5)
+    assert torch.equal(norm_factor(gemma.final_norm), 1.0 + gemma.final_norm.weight)
+    assert norm_factor(torch.nn.LayerNorm(8)) is None
+    dcfg = drafter_config_from_target(gemma.config, num_layers=1, block_size=4, mask_token_id=3, num_taps=1)
+    drafter = init_drafter(dcfg, gemma, seed=0, from_target=True, device="cpu")
+    last = gemma.layers[-1]
+    torch.testing.assert_close(drafter.norm.weight, 1.0 + gemma.final_norm.weight)
+    torch.testing.assert_close(drafter.layers[0].self_attn.q_norm.weight, 1.0 + last.self_attn.q_norm.weight)
+    torch.testing.assert_close(drafter.layers[0].self_attn.q_proj.weight, last.self_attn.q_proj.weight)
+    torch.testing.assert_close(drafter.hidden_norm.weight, 1.0 + last.input_layernorm.weight)
