@@ -115,9 +115,29 @@ def check_config(d: dict, shapes: dict, target: TargetInfo | None) -> list[Failu
     out += _check_layer_ids(d, dflash, shapes, target)
     out += _check_block_size(d, dflash)
     out += _check_scaling(d, dflash, target)
+    out += _check_arch_keys(d, dflash)
     if target is not None and d.get("hidden_size") != target.hidden_size:
         out.append(Failure("hidden_size", f"{d.get('hidden_size')} but the target {target.name} has "
                                           f"{target.hidden_size}: vLLM silently falls back, SGLang raises"))
+    return out
+
+
+def _check_arch_keys(d: dict, dflash: dict) -> list[Failure]:
+    """The architecture's own keys where the engines read them (engine-formats.md): DFlash 2's four
+    in dflash_config (vLLM raises a KeyError without them), DSpark's at the top level too (vLLM reads
+    `config.markov_rank` there, SGLang either), and its constants (vLLM builds only the vanilla head)."""
+    try:
+        spec = ARCHITECTURES[arch_of_architectures(d.get("architectures") or ["DFlashDraftModel"])]
+    except ValueError:
+        return []  # named by the architectures check
+    out = []
+    for key in spec.dflash_keys + tuple(k for k, _ in spec.constants):
+        places = [("dflash_config." + key, dflash)] + ([(key, d)] if spec.top_level else [])
+        out += [Failure(name, "missing: the engines read it there") for name, where in places if key not in where]
+    for key, want in spec.constants:
+        got = [where[key] for _, where in (("", dflash), ("", d)) if key in where]
+        if any(g != want for g in got):
+            out.append(Failure(key, f"{got} but this drafter is {want!r}: the engines would build another head"))
     return out
 
 

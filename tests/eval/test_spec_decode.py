@@ -234,6 +234,23 @@ def table_draft(vocab: int, seed: int, subset: list[int] | None = None):
     return draft
 
 
+def chain_draft(vocab: int, seed: int):
+    """`draft_block` drafting a chain, as DFlash 2 and DSpark do: token i is drawn from a random table
+    indexed by (the previous token, slot), so each q row is conditional on the draws before it."""
+    table = torch.randn(vocab, 16, vocab, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2
+
+    def block(drafter, ctx, anchor, embed_weight, head, block_size, temperature, generator=None):
+        prev, tokens, qs = anchor, [], []
+        for i in range(block_size - 1):
+            q = torch.softmax(table[prev, i] / temperature, -1)
+            prev = int(torch.multinomial(q, 1, generator=generator))
+            tokens.append(prev)
+            qs.append(q)
+        return torch.tensor(tokens), torch.stack(qs)
+
+    return block
+
+
 def _chi2_critical(dof: int, z: float = 3.719) -> float:
     """Upper chi-square quantile (Wilson-Hilferty); z = 3.719 is the 1e-4 normal tail."""
     c = 2.0 / (9.0 * dof)
@@ -272,15 +289,17 @@ def _exact_triples(target: BigramLM, temperature: float) -> dict:
             for a in range(8) for b in range(8) for c in range(8)}
 
 
-@pytest.mark.parametrize("block_size,subset", [(2, None), (4, None), (4, [0, 2, 3, 5])])
-def test_rejection_sampling_preserves_target_distribution(block_size, subset, monkeypatch):
+@pytest.mark.parametrize("block_size,subset,chain", [(2, None, False), (4, None, False), (4, [0, 2, 3, 5], False),
+                                                     (4, None, True)])
+def test_rejection_sampling_preserves_target_distribution(block_size, subset, chain, monkeypatch):
     """3 sampled tokens after a prompt: the first from the prefill, the next two through draft
     slots, rejections, corrections and (B=2) bonus tokens. Their joint must match the target's
     p(a) p(b|a) p(c|b) (chi-square at 1e-4 and total variation); the same test must reject a
     classic bug (after a rejection, resampling from p instead of the residual max(p - q, 0))."""
     temperature, n = 0.9, 2000
     target = BigramLM(vocab=8, hidden=4, num_layers=3, seed=0)
-    monkeypatch.setattr(spec_decode, "draft_block", from_logits(table_draft(8, seed=1, subset=subset)))
+    monkeypatch.setattr(spec_decode, "draft_block",
+                        chain_draft(8, seed=1) if chain else from_logits(table_draft(8, seed=1, subset=subset)))
     exact = _exact_triples(target, temperature)
     counts = _sample_triples(target, block_size, n, temperature)
     stat, dof = _chi2(counts, exact, n)
@@ -325,3 +344,24 @@ def test_greedy_equals_target_on_smollm2(smollm2_target, monkeypatch):
     accepting = spec(4)
     assert accepting.tokens == plain.tokens[:32]
     assert accepting.tau > 1.5
+
+
+@pytest.mark.parametrize("arch", ["dflash2", "dspark"])
+def test_greedy_equals_target_for_every_architecture(qwen3, prompts, arch):
+    """DFlash 2's selector chain and DSpark's Markov walk (off their neutral start) stay lossless."""
+    import dataclasses
+
+    from dflash_train.model.architectures import build_drafter
+    from dflash_train.model.config import drafter_config_from_target
+
+    cfg = drafter_config_from_target(qwen3.config, num_layers=1, block_size=4, mask_token_id=96, num_taps=2, arch=arch)
+    drafter = build_drafter(dataclasses.replace(cfg, selector_rank=8, selector_top_k=4, markov_rank=8)).double()
+    drafter.reset_parameters(std=0.2, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if any(k in name for k in ("codebook", "markov", "conv")):
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1), dtype=p.dtype) * 0.3)
+    for prompt in prompts:
+        plain = target_generate(qwen3, prompt, 24, [])
+        spec = _spec(qwen3, drafter.eval(), prompt, 24)
+        assert spec.tokens == plain.tokens and max(spec.accepted) <= drafter.drafted(4)

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_train import cli
+from dflash_train.model.architectures import build_drafter
 from dflash_train.model.config import drafter_config_from_target
 from dflash_train.model.drafter import DFlashDrafter
 from dflash_train.model.hf_format import export_drafter, load_zlab, save_zlab
@@ -296,3 +297,26 @@ def test_a_top_level_scale_is_read_as_the_engines_read_it_and_checked_against_th
     assert load_zlab(write()).config.input_embedding_scale == 2.0
     failures = check_drafter(out, target)
     assert fields(failures) == {"dflash_config.input_embedding_scale"}
+
+
+@pytest.mark.parametrize("arch,drop,field", [("dflash2", "selector_top_k", "dflash_config.selector_top_k"),
+                                             ("dspark", "markov_rank", "markov_rank")])
+def test_dflash2_and_dspark_exports_pass_and_a_missing_engine_key_is_named(tiny_qwen3_target, tiny_qwen3_dir,
+                                                                          target, tmp_path, arch, drop, field):
+    """Each architecture's export passes the whole check (its forward through the engines' view, DFlash
+    2's convolutions included); dropping a key an engine needs where it reads it fails by name."""
+    cfg = drafter_config_from_target(tiny_qwen3_target.config, num_layers=2, block_size=4, mask_token_id=MASK_ID,
+                                     num_taps=2, arch=arch)
+    drafter = build_drafter(dataclasses.replace(cfg, selector_rank=8, selector_top_k=4, markov_rank=8))
+    drafter.reset_parameters(std=0.2, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # convolutions off the identity, so the engines' view must apply them
+        for name, p in drafter.named_parameters():
+            if "conv" in name:
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.3)
+    out = export_drafter(drafter, tmp_path / arch, str(tiny_qwen3_dir))
+    assert check_drafter(out, target, trained=drafter) == []
+    config = json.loads((out / "config.json").read_text())
+    (config["dflash_config"] if field.startswith("dflash_config") else config).pop(drop)
+    (out / "config.json").write_text(json.dumps(config))
+    assert field in fields(check_drafter(out, target))
+    assert ("DSPARK" if arch == "dspark" else "DFLASH") in serve_instructions(out)
