@@ -353,30 +353,36 @@ def random_target(cfg, device: torch.device, dtype: torch.dtype, std: float = 0.
 
 
 def random_drafter(dcfg, device: torch.device, std: float = 0.02):
-    """DFlashDrafter in float32 (as `setup.init_drafter` makes it), random normal(0, std) linears,
-    unit norms; materialised directly on the device."""
-    from dflash_train.model.drafter import DFlashDrafter, RMSNorm
+    """The drafter of dcfg.arch in float32 (as `setup.init_drafter` makes it), random normal(0, std)
+    linears, embeddings and free parameters (codebooks), unit norms, identity convolutions;
+    materialised directly on the device."""
+    from dflash_train.model.architectures import build_drafter
+    from dflash_train.model.drafter import RMSNorm
 
     with torch.device("meta"):
-        drafter = DFlashDrafter(dcfg)
+        drafter = build_drafter(dcfg)
     drafter = drafter.to_empty(device=device).float()
     generator = torch.Generator(device=device).manual_seed(0)
     with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0.0, std, generator=generator)
         for module in drafter.modules():
-            if isinstance(module, torch.nn.Linear):
-                module.weight.normal_(0.0, std, generator=generator)
-                if module.bias is not None:
-                    module.bias.zero_()
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+            elif hasattr(module, "reset_identity"):  # DFlash 2's convolutions
+                module.reset_identity()
     return drafter
 
 
-def drafter_config(tcfg, *, layers: int, block_size: int, small: bool):
+def drafter_config(tcfg, *, layers: int, block_size: int, small: bool, arch: str = "dflash",
+                   sliding_window: int | None = None):
     from dflash_train.model.config import drafter_config_from_target
 
     mask_id = tcfg.vocab_size - 1 if small else PAPER_MASK_TOKEN
-    return drafter_config_from_target(tcfg, num_layers=layers, block_size=block_size, mask_token_id=mask_id)
+    return drafter_config_from_target(tcfg, num_layers=layers, block_size=block_size, mask_token_id=mask_id,
+                                      arch=arch, sliding_window=sliding_window)
 
 
 def synthetic_ids(rows: int, seq_len: int, vocab: int, seed: int) -> torch.Tensor:
@@ -409,7 +415,8 @@ def mean_context(mb) -> float:
 
 
 def step_context(dcfg, embed, lm_head, device: torch.device, backend: str, chunk_tokens: int,
-                 dp_group=None, num_drafters: int = 1, compile_loss: bool = False, persistent_masks=None):
+                 dp_group=None, num_drafters: int = 1, compile_loss: bool = False, persistent_masks=None,
+                 head=None, weighting: str = "decay", loss=None):
     from dflash_train.config import derived_gamma
     from dflash_train.train.step import StepContext
 
@@ -417,7 +424,8 @@ def step_context(dcfg, embed, lm_head, device: torch.device, backend: str, chunk
                        gamma=derived_gamma(dcfg.block_size, None), chunk_tokens=chunk_tokens, backend=backend,
                        device=device, autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
                        dp_group=dp_group, num_drafters=num_drafters, compile_loss=compile_loss,
-                       persistent_masks=persistent_masks)
+                       persistent_masks=persistent_masks, head=head, weighting=weighting,
+                       **({"loss": loss} if loss is not None else {}))
 
 
 def frozen_embeddings(vocab: int, hidden: int, device: torch.device, dtype: torch.dtype, std: float = 0.02):

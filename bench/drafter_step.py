@@ -36,6 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from bench import _common as C  # noqa: E402
+from dflash_train.config import RunConfig  # noqa: E402
+
+DEFAULTS = RunConfig()  # the trainer's defaults: what "the new defaults" of a recipe change mean here
 
 ATTN_GOAL = 15.0
 
@@ -44,6 +47,13 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description="DFlash drafter train-step benchmark")
     C.add_shape_args(p)
     p.add_argument("--layers", type=int, help="drafter layers (default 5; 2 with --small)")
+    p.add_argument("--arch", choices=("dflash", "dflash2", "dspark"), default="dflash", help="drafter.arch")
+    p.add_argument("--sliding-window", type=int, default=DEFAULTS.drafter.sliding_window,
+                   help=f"drafter.sliding_window, non-causal (default {DEFAULTS.drafter.sliding_window}; 0 = full attention)")
+    p.add_argument("--weighting", choices=("decay", "dpace"), default=DEFAULTS.loss.weighting,
+                   help=f"loss.weighting (default {DEFAULTS.loss.weighting})")
+    p.add_argument("--loss", choices=("ce", "kl", "mix", "tv"), default="ce",
+                   help="loss.kind (default ce; the teacher kinds time the extra lm_head pass on random teachers)")
     p.add_argument("--batch", type=int, default=1, help="sequences per micro-batch (default 1)")
     p.add_argument("--attention", choices=("auto", "flex", "sdpa", "dense"), default="auto",
                    help="auto = flex on CUDA, sdpa on CPU (as the trainer resolves it)")
@@ -205,7 +215,8 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
 
     S, N, rows = a.seq_len, a.anchors, a.batch
     tcfg = C.target_config(a.small)
-    dcfg = C.drafter_config(tcfg, layers=a.layers, block_size=a.block_size, small=a.small)
+    dcfg = C.drafter_config(tcfg, layers=a.layers, block_size=a.block_size, small=a.small, arch=a.arch,
+                            sliding_window=a.sliding_window or None)
     drafter = C.random_drafter(dcfg, device)
     embed, lm_head = C.frozen_embeddings(tcfg.vocab_size, tcfg.hidden_size, device, taps_dtype)
     mb = C.synthetic_microbatch(rows, S, N, tcfg.vocab_size, dcfg.num_taps * dcfg.hidden_size, taps_dtype, device)
@@ -213,8 +224,16 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
     b.info["compile_loss"] = compile_loss
     # CUDA graphs replay fixed addresses: keep the masks' tensors in place (attention.PersistentMasks)
     persistent = PersistentMasks() if a.compile_mode == "reduce-overhead" else None
+    from dataclasses import replace as _replace
+
+    from dflash_train.train.softmax_rows import LossMix
+
+    mix = LossMix.from_config(_replace(DEFAULTS.loss, kind=a.loss))
     ctx = C.step_context(dcfg, embed, lm_head, device, backend, a.chunk_tokens, compile_loss=compile_loss,
-                         persistent_masks=persistent)
+                         persistent_masks=persistent, head=drafter, weighting=a.weighting, loss=mix)
+    if mix.needs_teacher:
+        mb.from_target["final_hidden"] = mb.from_target["taps"][..., :dcfg.hidden_size].contiguous()
+    b.info.update(arch=a.arch, sliding_window=a.sliding_window, weighting=a.weighting, loss=a.loss)
     if a.fp8_lm_head:  # as the trainer does with train.fp8_lm_head (train/loop.py)
         from dataclasses import replace
 

@@ -124,6 +124,9 @@ class DFlashDrafter(nn.Module):
     """The first block slot that drafts a token: 1 (slot 0 holds the anchor, DFlash), 0 when the
     anchor's slot drafts too (DSpark). Slot s drafts token anchor + s + 1 - drafted_offset."""
 
+    backbone_prefixes = ("layers.", "fc")
+    """Modules the compiled forward runs (the rest, an architecture's head, runs in the eager loss)."""
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.config = cfg

@@ -74,7 +74,12 @@ def convert_to_fp8(drafter: nn.Module, recipe: str = "tensorwise", which: str = 
     # optional dependency (the `fp8` extra), imported only when FP8 is asked for
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    keep = fp8_module_filter(recipe, which)
+    size_rule = fp8_module_filter(recipe, which)
+    backbone = getattr(drafter, "backbone_prefixes", ("",))
+
+    def keep(module, fqn: str) -> bool:  # an architecture's head runs in the eager loss: its casts would not fuse
+        return fqn.startswith(backbone) and size_rule(module, fqn)
+
     converted, skipped = split_linears(drafter, keep)
     convert_to_float8_training(drafter, config=Float8LinearConfig.from_recipe_name(recipe), module_filter_fn=keep)
     return converted, skipped
