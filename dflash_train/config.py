@@ -298,9 +298,11 @@ class EvalConfig:
     """Where the `eval` command writes report.json and its plots."""
     progress: bool = True
     """Progress bar during the `eval` command."""
-    draft_vocab: Literal["auto", "full"] = "auto"
-    """auto: draft over the drafter directory's draft_vocab.json where it has one (the tokens of its
-    training softmax; lossless, a cheaper drafter lm_head); full: always over the whole lm_head."""
+    draft_vocab: Literal["auto", "full", "subset"] = "auto"
+    """The headline tau and speedup draft over the whole lm_head, as vLLM and SGLang serve a DFlash drafter.
+    auto: where the drafter directory has a draft_vocab.json (the tokens of its training softmax), the same
+    prompts are decoded again over it and those figures are reported beside; full: the headline only;
+    subset: the draft vocabulary as the headline (lossless, a cheaper drafter lm_head, no engine serves it)."""
 
 
 @dataclass(frozen=True, kw_only=True)

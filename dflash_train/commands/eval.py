@@ -30,7 +30,7 @@ ALIASES = (
 
 def run(cfg) -> str:
     from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
-    from dflash_train.eval.evaluate import check_compatible, eval_draft_vocab, evaluate
+    from dflash_train.eval.evaluate import check_compatible, eval_draft_vocab, evaluate_as_served
     from dflash_train.model.hf_format import load_zlab
     from dflash_train.train.setup import resolve_format
 
@@ -48,17 +48,19 @@ def run(cfg) -> str:
     print("eval: " + ", ".join(f"{n}: {len(p)} prompts" for n, p in sets.items())
           + f"; max {e.max_new_tokens} new tokens, temperature {e.temperature}", flush=True)
     vocab = eval_draft_vocab(e, e.drafter, drafter)
-    report = evaluate(drafter, target, sets, max_new_tokens=e.max_new_tokens, temperature=e.temperature,
-                      thinking=cfg.data.thinking, block_size=e.block_size, seed=cfg.train.seed, out_dir=e.out_dir,
-                      progress=e.progress, simulate=_simulator(cfg, drafter, target, vocab), draft_vocab=vocab,
-                      text_prompt_tokens=cfg.data.text_prompt_tokens)
+    simulate = _simulator(cfg, drafter, target)
+    report = evaluate_as_served(drafter, target, sets, e.draft_vocab, vocab, max_new_tokens=e.max_new_tokens,
+                                temperature=e.temperature, thinking=cfg.data.thinking, block_size=e.block_size,
+                                seed=cfg.train.seed, out_dir=e.out_dir, progress=e.progress,
+                                simulate=simulate and (lambda v: simulate(v)),
+                                text_prompt_tokens=cfg.data.text_prompt_tokens)
     _print_report(report, e.temperature)
     overall = report["overall"]
     return (f"tau={overall['tau']:.3f} speedup={overall['speedup']:.2f}x ({overall['num_prompts']} prompts, "
             f"{overall['spec_tokens']} tokens)")
 
 
-def _simulator(cfg, drafter, target, draft_vocab):
+def _simulator(cfg, drafter, target):
     """The train/serve check beside each set's real tau: the simulated tau (the decode walk, and per
     anchor; the drafter's own block size) on the very text the set decoded. None when `eval.block_size`
     decodes with another block size than the drafter was trained for (the two would not compare)."""
@@ -77,15 +79,16 @@ def _simulator(cfg, drafter, target, draft_vocab):
                       drafter=dcfg, gamma=derived_gamma(dcfg.block_size, cfg.loss.gamma),
                       chunk_tokens=cfg.loss.chunk_tokens, backend="sdpa", device=target.device,
                       autocast_dtype=torch.bfloat16 if target.device.type == "cuda" else None)
-    return simulator(drafter, target, ctx, draft_vocab)
+    return lambda draft_vocab: simulator(drafter, target, ctx, draft_vocab)
 
 
 def _print_report(report: dict, temperature: float) -> None:
+    from dflash_train.eval.evaluate import subset_note
     from dflash_train.eval.report import lossless_note, summary_table
 
     print(summary_table({**report["sets"], "overall": report["overall"]}), flush=True)
     for name, figures in report["sets"].items():
-        note = lossless_note(figures, report["dtype"] == "float32", temperature)
-        if note:
-            print(f"eval [{name}]: {note}", flush=True)
+        for note in (subset_note(figures), lossless_note(figures, report["dtype"] == "float32", temperature)):
+            if note:
+                print(f"eval [{name}]: {note}", flush=True)
     print(f"eval: report {report['report']}; plots {', '.join(report['plots'])}", flush=True)

@@ -85,14 +85,52 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
 
 
 def eval_draft_vocab(eval_cfg, drafter_dir, drafter: DFlashDrafter, log=print) -> torch.Tensor | None:
-    """The draft vocabulary the eval drafts over (`eval.draft_vocab`), said in one line, or None."""
+    """The drafter directory's draft vocabulary that `eval.draft_vocab` uses (auto: beside the headline,
+    subset: as the headline; full: none), said in one line, or None."""
     if eval_cfg.draft_vocab == "full":
         return None
     ids = load_draft_vocab(drafter_dir, drafter.config.vocab_size)
     if ids is not None:
-        log(f"eval: drafting over the drafter's {ids.numel()}-token draft vocabulary ({DRAFT_VOCAB}; lossless; "
-            "eval.draft_vocab=full drafts over the whole lm_head)")
+        where = "as the headline" if eval_cfg.draft_vocab == "subset" else \
+            "beside the headline, which drafts over the whole lm_head as vLLM and SGLang do"
+        log(f"eval: the drafter's {ids.numel()}-token draft vocabulary ({DRAFT_VOCAB}) is measured {where}")
     return ids
+
+
+SUBSET_FIGURES = ("tau", "speedup", "cycle_plain_steps", "identical_outputs", "num_prompts")
+
+
+def evaluate_as_served(drafter: DFlashDrafter, target, prompt_sets: dict, vocab_setting: str,
+                       draft_vocab: torch.Tensor | None, **kwargs) -> dict:
+    """`evaluate` with the headline an engine would see: drafting over the whole lm_head (no engine
+    serves a DFlash drafter with a draft vocabulary). With `eval.draft_vocab=auto` and a draft
+    vocabulary, the same prompts are decoded again over it and each set gets its figures beside
+    (`draft_vocab_figures`); `subset` makes the draft vocabulary the headline (`full`: no second run).
+    `simulate`, if given, maps the headline's draft vocabulary to `evaluate`'s simulate."""
+    headline_vocab = draft_vocab if vocab_setting == "subset" else None
+    simulate = kwargs.pop("simulate", None)
+    report = evaluate(drafter, target, prompt_sets, draft_vocab=headline_vocab,
+                      simulate=simulate(headline_vocab) if simulate else None, **kwargs)
+    if draft_vocab is None or vocab_setting != "auto":
+        return report
+    beside = evaluate(drafter, target, prompt_sets, draft_vocab=draft_vocab,
+                      **{k: v for k, v in kwargs.items() if k not in ("out_dir", "warmup")}, warmup=False)
+    for name, figures in beside["sets"].items():
+        report["sets"][name]["draft_vocab_figures"] = {k: figures[k] for k in SUBSET_FIGURES}
+    report["draft_vocab_beside"] = int(draft_vocab.numel())
+    if kwargs.get("out_dir") is not None:
+        report["report"] = str(rep.write_json(report, Path(kwargs["out_dir"])))
+    return report
+
+
+def subset_note(figures: dict) -> str | None:
+    """`(over the draft vocabulary: tau .., speedup ..)` for a set measured both ways, else None."""
+    sub = figures.get("draft_vocab_figures")
+    if not sub:
+        return None
+    return (f"over the drafter's draft vocabulary instead: tau {sub['tau']:.3f}, speedup {sub['speedup']:.2f}x "
+            f"(a cycle {sub['cycle_plain_steps']:.2f} plain steps), {sub['identical_outputs']}/{sub['num_prompts']} "
+            "identical")
 
 
 def _decode_both(drafter, target, ids: torch.Tensor, opts: dict, seed: int) -> tuple[SpecResult, GenResult]:
@@ -168,7 +206,8 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
         results = _run_sets(drafter, target, encoded, opts, seed, progress, heartbeat)
     finally:
         drafter.train(was_training)
-    report = _assemble(results, block_size, opts, thinking, seed, time.perf_counter() - t0)
+    report = _assemble(results, block_size, drafter.drafted(block_size), opts, thinking, seed,
+                       time.perf_counter() - t0)
     if simulate is not None:  # the train/serve check: simulated acceptance on the text just decoded
         for name, (spec, _) in results.items():
             # the speculative output, on which real tau was measured: in bf16 it can leave plain greedy's
@@ -188,13 +227,15 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
     return report
 
 
-def _assemble(results: dict, block_size: int, opts: dict, thinking: bool | None, seed: int,
+def _assemble(results: dict, block_size: int, drafted: int, opts: dict, thinking: bool | None, seed: int,
               seconds: float) -> dict:
-    sets = {name: rep.summarize(spec, plain, block_size) for name, (spec, plain) in results.items()}
+    """The report; acceptance runs 0..drafted per step (DSpark drafts a whole block: drafted = B)."""
+    sets = {name: rep.summarize(spec, plain, drafted + 1) for name, (spec, plain) in results.items()}
     all_spec = [r for spec, _ in results.values() for r in spec]
     all_plain = [r for _, plain in results.values() for r in plain]
     return {
         "block_size": block_size,
+        "drafted_per_step": drafted,
         "max_new_tokens": opts["max_new_tokens"],
         "temperature": opts["temperature"],
         "thinking": thinking,

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from dflash_train.config import RunConfig
 from dflash_train.diagnostics.threads import contention_notice
 from dflash_train.diagnostics.watchdog import Watchdog
-from dflash_train.eval.evaluate import eval_draft_vocab, evaluate
+from dflash_train.eval.evaluate import eval_draft_vocab, evaluate_as_served, subset_note
 from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
 from dflash_train.eval.report import lossless_note
 from dflash_train.fp8 import resolve_precision
@@ -425,20 +425,20 @@ def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log, he
             "on an H200 (dynamic activation scaling at every linear; docs/LOG.md, session 7)")
     vocab = eval_draft_vocab(cfg.eval, drafter_dir, drafter, log)
     with torch.compiler.set_stance("force_eager"):  # decoding shapes change every step: no compiled layers
-        report = evaluate(drafter, target, _eval_prompt_sets(cfg, target, out_dir, log), max_new_tokens=cfg.eval.max_new_tokens,
-                          temperature=cfg.eval.temperature, thinking=cfg.data.thinking, seed=cfg.train.seed,
-                          out_dir=out_dir / "eval", heartbeat=heartbeat,
-                          simulate=simulator(drafter, target, ctx, vocab), draft_vocab=vocab,
-                          text_prompt_tokens=cfg.data.text_prompt_tokens)
+        report = evaluate_as_served(drafter, target, _eval_prompt_sets(cfg, target, out_dir, log), cfg.eval.draft_vocab,
+                                    vocab, max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.eval.temperature,
+                                    thinking=cfg.data.thinking, seed=cfg.train.seed, out_dir=out_dir / "eval",
+                                    heartbeat=heartbeat, simulate=lambda v: simulator(drafter, target, ctx, v),
+                                    text_prompt_tokens=cfg.data.text_prompt_tokens)
     for name, figures in report["sets"].items():
         log(f"eval [{name}]: tau {figures['tau']:.3f} (simulated on the same text {figures['sim_tau']:.3f}: "
             f"{figures['sim_tau'] / figures['tau'] - 1:+.0%}; per anchor {figures['sim_tau_anchors']:.3f}), "
             f"speedup {figures['speedup']:.2f}x "
             f"(a draft+verify cycle costs {figures['cycle_plain_steps']:.2f} plain steps), "
             f"{figures['identical_outputs']}/{figures['num_prompts']} outputs identical to plain greedy")
-        note = lossless_note(figures, target.dtype == torch.float32, cfg.eval.temperature)
-        if note:
-            log(f"eval [{name}]: {note}")
+        for note in (subset_note(figures), lossless_note(figures, target.dtype == torch.float32, cfg.eval.temperature)):
+            if note:
+                log(f"eval [{name}]: {note}")
     return {"eval": report["sets"], "report": str(out_dir / "eval" / "report.json")}
 
 

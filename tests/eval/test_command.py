@@ -94,21 +94,28 @@ def test_cli_eval_end_to_end(tiny_qwen3_target, tiny_qwen3_dir, prompts_file, tm
     assert report["draft_vocab"] is None and "draft vocabulary" not in text  # the directory has none
 
 
-def test_cli_eval_drafts_over_the_drafter_s_draft_vocabulary(tiny_qwen3_target, tiny_qwen3_dir, prompts_file,
-                                                             tmp_path, capsys):
+def test_cli_eval_headline_is_the_whole_lm_head_with_the_draft_vocabulary_beside(
+        tiny_qwen3_target, tiny_qwen3_dir, prompts_file, tmp_path, capsys):
+    """auto: the headline drafts over the whole lm_head (as the engines serve), the draft vocabulary's
+    figures beside; subset: the draft vocabulary as the headline; full: no second run."""
     drafter_dir = save_zlab(_drafter(tiny_qwen3_target.config, tiny_qwen3_target.tokenizer), tmp_path / "drafter",
                             dtype=torch.float32)
     (drafter_dir / DRAFT_VOCAB).write_text(json.dumps(draft_vocab_file(range(0, 200, 2))))
     args = ["eval", "--drafter", str(drafter_dir), "--target", str(tiny_qwen3_dir), "--prompts", str(prompts_file),
             "--num-prompts", "2", "--max-new-tokens", "8", "--device", "cpu", "--thinking", "off", "--no-progress"]
     reports = {}
-    for mode in ("auto", "full"):
+    for mode in ("auto", "full", "subset"):
         rc = main(args + ["--out", str(tmp_path / mode), "--draft-vocab", mode])
         text = capsys.readouterr().out
         assert rc == 0, text
-        assert ("drafting over the drafter's 100-token draft vocabulary" in text) == (mode == "auto")
+        assert ("100-token draft vocabulary" in text) == (mode != "full")
+        assert ("over the drafter's draft vocabulary instead" in text) == (mode == "auto")
         reports[mode] = json.loads((tmp_path / mode / "report.json").read_text())
-    assert reports["auto"]["draft_vocab"] == 100 and reports["full"]["draft_vocab"] is None
+    assert reports["auto"]["draft_vocab"] is None and reports["full"]["draft_vocab"] is None
+    assert reports["subset"]["draft_vocab"] == 100 and reports["auto"]["draft_vocab_beside"] == 100
+    beside = reports["auto"]["sets"]["mine"]["draft_vocab_figures"]
+    assert beside["tau"] == reports["subset"]["sets"]["mine"]["tau"]  # the same decode, reported beside
+    assert reports["auto"]["sets"]["mine"]["tau"] == reports["full"]["sets"]["mine"]["tau"]
     for mode in reports:  # lossless either way (float32 greedy)
         assert reports[mode]["sets"]["mine"]["identical_outputs"] == 2
     (drafter_dir / DRAFT_VOCAB).write_text('{"ids": [1, -3]}')  # fails in validation, before the target loads
