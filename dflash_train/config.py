@@ -47,7 +47,9 @@ class TargetConfig:
 @dataclass(frozen=True, kw_only=True)
 class DrafterConfigSpec:
     num_layers: int = 5
-    block_size: int = 16
+    block_size: int | None = None
+    """Block size B (anchor + B - 1 mask slots); None = the architecture's published one (`ARCH_BLOCK`:
+    dflash 16 as in the paper, dflash2 8 as z-lab's Qwen3.8-27B DFlash 2, dspark 8 as speculators')."""
     num_taps: int = 5
     """Number of target layers tapped when `target.layer_ids` is not given."""
     mask_token_id: int | None = None
@@ -83,6 +85,14 @@ class DrafterConfigSpec:
     """Factor on the initial final-norm weight, i.e. on the initial logits through the tied
     lm_head. The copied target norm makes a fresh drafter confidently wrong (held-out loss ~17
     nats on SmolLM2, > ln V); a small factor starts it near uniform."""
+
+
+ARCH_BLOCK = {"dflash": 16, "dflash2": 8, "dspark": 8}
+
+
+def block_size_of(drafter: DrafterConfigSpec) -> int:
+    """drafter.block_size, or the architecture's published block when it is None."""
+    return drafter.block_size or ARCH_BLOCK[drafter.arch]
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_train.config import RunConfig
+from dflash_train.config import RunConfig, block_size_of
 from dflash_train.model.config import DrafterConfig, drafter_config_from_target
 
 GIB = 2**30
@@ -225,7 +225,7 @@ class RunShape:
     @classmethod
     def from_run_config(cls, cfg: RunConfig, drafter_processes: int = 1) -> "RunShape":
         accum = max(1, cfg.train.seqs_per_step // (cfg.train.micro_batch * drafter_processes))
-        return cls(cfg.drafter.num_layers, cfg.drafter.block_size, cfg.train.num_anchors, cfg.data.max_len,
+        return cls(cfg.drafter.num_layers, block_size_of(cfg.drafter), cfg.train.num_anchors, cfg.data.max_len,
                    cfg.train.micro_batch, accum, cfg.drafter.num_taps, cfg.loss.chunk_tokens,
                    cfg.topology.max_in_flight)
 

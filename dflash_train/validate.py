@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflash_train.config import RESUME_CHANGEABLE, ConfigError, RunConfig, allowed_values, settings
+from dflash_train.config import RESUME_CHANGEABLE, ConfigError, RunConfig, allowed_values, block_size_of, settings
 from dflash_train.data.train_spec import parse_train_spec
 from dflash_train.diagnostics.doctor import STAGE_KINDS
 
@@ -79,12 +79,12 @@ def config_problems(cfg: RunConfig) -> list[str]:
             low, high, closed = RANGES[key]
             if not (low <= value <= high if closed else low <= value < high):
                 problems.append(f"{key}={value}: must be in [{low}, {high}{']' if closed else ')'}")
-    if cfg.drafter.block_size < 2:
-        problems.append(f"drafter.block_size={cfg.drafter.block_size}: must be >= 2 (slot 0 is the anchor, "
+    if block_size_of(cfg.drafter) < 2:
+        problems.append(f"drafter.block_size={block_size_of(cfg.drafter)}: must be >= 2 (slot 0 is the anchor, "
                         "the drafter predicts slots 1..block_size-1)")
-    if cfg.drafter.sliding_window is not None and cfg.drafter.sliding_window < cfg.drafter.block_size:
+    if cfg.drafter.sliding_window is not None and cfg.drafter.sliding_window < block_size_of(cfg.drafter):
         problems.append(f"drafter.sliding_window={cfg.drafter.sliding_window}: must be >= drafter.block_size="
-                        f"{cfg.drafter.block_size} (a block's slots must see each other), or none for full attention")
+                        f"{block_size_of(cfg.drafter)} (a block's slots must see each other), or none for full attention")
     if not 0 < cfg.loss.dpace_alpha <= 1:
         problems.append(f"loss.dpace_alpha={cfg.loss.dpace_alpha}: must be in (0, 1] (D-PACE's q~ = (1 - alpha) q + alpha)")
     if cfg.loss.weighting == "dpace" and cfg.loss.gamma is not None:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dflash_train.config import RunConfig, derived_gamma
+from dflash_train.config import RunConfig, block_size_of, derived_gamma
 from dflash_train.data.anchors import all_anchors
 from dflash_train.data.dataset import load_samples, prepare_samples, split_held_out
 from dflash_train.data.dataset import prepare_tapped as prepare_tapped_samples
@@ -95,7 +95,7 @@ def resolve_format(cfg: RunConfig, tokenizer, log) -> RunConfig:
 def build_drafter_config(cfg: RunConfig, target) -> DrafterConfig:
     mask_id = resolve_mask_token_id(target.tokenizer, target.vocab_size, cfg.drafter.mask_token_id)
     dcfg = drafter_config_from_target(target.config, num_layers=cfg.drafter.num_layers,
-                                      block_size=cfg.drafter.block_size, mask_token_id=mask_id,
+                                      block_size=block_size_of(cfg.drafter), mask_token_id=mask_id,
                                       target_layer_ids=cfg.target.layer_ids, num_taps=cfg.drafter.num_taps,
                                       sliding_window=cfg.drafter.sliding_window,
                                       window_layers=cfg.drafter.window_layers, window_causal=cfg.drafter.window_causal,
@@ -258,7 +258,7 @@ def train_vocab_of(cfg: RunConfig, samples: list[Sample], vocab_size: int, log):
 
 
 def gamma_of(cfg: RunConfig) -> float:
-    return derived_gamma(cfg.drafter.block_size, cfg.loss.gamma)
+    return derived_gamma(block_size_of(cfg.drafter), cfg.loss.gamma)
 
 
 def total_steps_of(cfg: RunConfig, steps_per_epoch: int) -> int:
