@@ -30,3 +30,23 @@ def test_taps_from_generation_equal_a_full_forward(smollm2_target, tmp_path):
     tapped.save(path)
     again = TappedSamples.load(path)
     assert again.samples == tapped.samples and all(torch.equal(a, b) for a, b in zip(again.taps, tapped.taps))
+
+
+def test_mapped_taps_equal_the_saved_ones_and_share_the_file(tmp_path):
+    """`TappedSamples.load` maps the taps instead of reading them: the same values, dtypes and shapes,
+    and the tensors' memory is the file's mapping (no private copy per process)."""
+    from dflash_train.data.records import Sample
+
+    g = torch.Generator().manual_seed(0)
+    samples = [Sample(f"s{i}", tuple(range(n)), (0,) * (n - 2) + (1, 1)) for i, n in enumerate((5, 3, 7))]
+    taps = [torch.randn(len(s), 6, generator=g).to(torch.bfloat16) for s in samples]
+    final = [torch.randn(len(s), 2, generator=g).to(torch.bfloat16) for s in samples]
+    path = tmp_path / "t.safetensors"
+    TappedSamples(samples, taps, final).save(path)
+    again = TappedSamples.load(path)
+    assert again.samples == samples
+    for a, b in zip(again.taps + again.final_hidden, taps + final):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    address = again.taps[0].data_ptr()
+    maps = [line.split() for line in open("/proc/self/maps") if line.rstrip().endswith(str(path))]
+    assert any(int(m[0].split("-")[0], 16) <= address < int(m[0].split("-")[1], 16) for m in maps)  # the file's pages
