@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_train.config import RunConfig
+from dflash_train.data.anchors import anchor_coverage
 from dflash_train.diagnostics.threads import contention_notice
 from dflash_train.diagnostics.watchdog import Watchdog
 from dflash_train.eval.evaluate import eval_draft_vocab, evaluate_as_served, subset_note
@@ -254,8 +255,10 @@ def _train_drafter(p: Process, s: Setup) -> dict:
     cfg, topo, log = p.cfg, p.topo, p.log
     t = _build_training(p, s)
     if topo.is_main:
+        coverage = anchor_coverage([sample.loss_mask for sample in s.data.train], cfg.train.num_anchors)
         log(setup.describe(cfg, s.dcfg, topo, len(s.data.train), len(s.data.held_out), s.total_steps,
-                           s.feed.plan.accum, s.backend, s.compiled, s.feed.spec.bytes_per_token, s.precision))
+                           s.feed.plan.accum, s.backend, s.compiled, s.feed.spec.bytes_per_token, s.precision,
+                           coverage))
     last_sim = _loop(p, s, t)
     result = {"role": "drafter", "steps": t.progress.step, "total_steps": s.total_steps,
               "tokens": t.progress.tokens, "sim": last_sim, "interrupted": p.stop.signal, "out_dir": str(p.out_dir)}

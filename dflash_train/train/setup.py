@@ -266,8 +266,16 @@ def total_steps_of(cfg: RunConfig, steps_per_epoch: int) -> int:
     return min(by_epochs, cfg.train.max_steps) if cfg.train.max_steps else by_epochs
 
 
+def describe_coverage(c: dict, num_anchors: int) -> str:
+    """One line of `anchors.anchor_coverage` (published pitfall 2: no document starved of anchors)."""
+    return (f"anchors     per supervised token and document: median {c['median']:.2f}, min {c['min']:.2f} over "
+            f"{c['documents']} documents; {c['capped']} capped at {num_anchors}, {c['starved']} starved "
+            "(every eligible position of the others is an anchor)")
+
+
 def describe(cfg: RunConfig, dcfg: DrafterConfig, topo: Topology, n_train: int, n_eval: int, total: int,
-             accum: int, backend: str, compiled: bool, taps_bytes_per_token: int, precision: tuple[str, str]) -> str:
+             accum: int, backend: str, compiled: bool, taps_bytes_per_token: int, precision: tuple[str, str],
+             coverage: dict | None = None) -> str:
     lines = [
         f"topology    {topo.describe()}",
         f"target      {cfg.target.model}: taps after layers {list(dcfg.target_layer_ids)} of {dcfg.num_target_layers}"
@@ -277,6 +285,7 @@ def describe(cfg: RunConfig, dcfg: DrafterConfig, topo: Topology, n_train: int, 
         f"data        {n_train} train / {n_eval} held-out samples, max_len {cfg.data.max_len}",
         f"batch       {cfg.train.seqs_per_step} seqs/step = {cfg.train.micro_batch} per micro-batch x {accum} accum x "
         f"{topo.num_drafters} drafter rank(s); {cfg.train.num_anchors} anchors/seq (<= eligible positions)",
+        *([describe_coverage(coverage, cfg.train.num_anchors)] if coverage else []),
         f"schedule    {total} steps, lr {cfg.optim.lr} cosine, warm-up {cfg.optim.warmup_ratio:.0%}, clip "
         f"{cfg.optim.grad_clip}, gamma {gamma_of(cfg)}",
         f"kernels     attention={backend}, compile={'on' if compiled else 'off'}, precision drafter "

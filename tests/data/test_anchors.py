@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from dflash_train.data.anchors import (all_anchors, anchor_generator, block_inputs, block_labels, eligible_anchors,
@@ -38,3 +39,22 @@ def test_block_tensors():
     assert labels[0, 0].tolist() == [102, 103, 104]
     assert valid[0, 0].tolist() == [False, True, True]  # slot 0 is never a target
     assert valid[0, 1].tolist() == [False, True, False]  # position 10 is past the end
+
+
+def test_pitfall_2_no_document_is_starved_of_anchors_and_coverage_is_reported():
+    """Published pitfall 2 (speculators #1071): anchors drawn per packed row starve short documents.
+    Each of our sequences is one document drawing min(N, eligible) anchors: a short document gets
+    every eligible position, a long one N, and `anchor_coverage` reports exactly that."""
+    from dflash_train.data.anchors import anchor_coverage
+
+    n = 8
+    masks = [torch.tensor([0] * 5 + [1] * k) for k in (3, 6, 40)]  # 2, 5 and 39 eligible positions
+    for mask in masks:
+        anchors, keep = sample_anchors(mask, n, torch.Generator().manual_seed(0))
+        eligible = eligible_anchors(mask)
+        assert int(keep.sum()) == min(n, eligible.numel())
+        if eligible.numel() <= n:  # short: every eligible position anchored
+            assert set(anchors[keep].tolist()) == set(eligible.tolist())
+    c = anchor_coverage(masks, n)
+    assert c["documents"] == 3 and c["capped"] == 1 and c["starved"] == 0
+    assert c["min"] == pytest.approx(8 / 40) and c["median"] == pytest.approx(5 / 6)

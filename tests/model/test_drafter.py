@@ -135,3 +135,39 @@ def test_config_is_derived_and_never_inherits_partial_rope():
 
     written = zlab_config_dict(cfg)
     assert "partial_rotary_factor" not in written and written["rope_scaling"] is None
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "dense", "flex"])
+@pytest.mark.parametrize("window", [None, 6])
+def test_pitfall_1_overlapping_anchors_never_see_their_own_or_later_context(backend, window):
+    """Published pitfall 1 (SpecForge #470/#473): with anchors a < a' < a + B in one row, block a'
+    must not see target states at or after a' (its own anchor's state is unavailable when drafting):
+    perturbing the taps at positions >= a' leaves block a''s (and block a's) outputs unchanged, and
+    perturbing position a' - 1 does change block a''s."""
+    drafter = tiny_drafter(window=window)
+    S, B, H = 30, 4, 64
+    gen = torch.Generator().manual_seed(9)
+    taps = torch.randn(1, S, 3 * H, generator=gen, dtype=torch.float64)
+    ids = torch.randint(0, 96, (1, S), generator=gen)
+    embed = torch.randn(97, H, generator=gen, dtype=torch.float64)
+    anchors, keep = torch.tensor([[10, 12, 20]]), torch.ones(1, 3, dtype=torch.bool)  # 10 < 12 < 10 + B
+    masks = build_training_masks(MaskSpec(S, B, 3, window), drafter.config.layer_types, anchors, keep, backend,
+                                 compiled_builder=False)
+    blocks, pos = embed[block_inputs(ids, anchors, B, 96)], position_ids(S, anchors, B)
+
+    def run(t):
+        try:
+            with torch.no_grad():  # flex has no backward on the CPU
+                return drafter(blocks, t, pos, masks, backend)[0].view(3, B, H)
+        except Exception as e:  # flex's forward is optional on CPU builds
+            pytest.skip(f"{backend} unavailable here: {e}")
+
+    base = run(taps)
+    later = taps.clone()
+    later[:, 12:] += 5.0  # the second anchor's own state and everything after it
+    moved = run(later)
+    torch.testing.assert_close(moved[:2], base[:2], rtol=0, atol=1e-12)  # blocks of anchors 10 and 12
+    assert (moved[2] - base[2]).abs().max() > 1e-3  # anchor 20 sees positions 12..19
+    before = taps.clone()
+    before[:, 11] += 5.0
+    assert (run(before)[1] - base[1]).abs().max() > 1e-3  # position a' - 1 is visible to block a'
