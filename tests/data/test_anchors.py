@@ -57,4 +57,4 @@ def test_pitfall_2_no_document_is_starved_of_anchors_and_coverage_is_reported():
             assert set(anchors[keep].tolist()) == set(eligible.tolist())
     c = anchor_coverage(masks, n)
     assert c["documents"] == 3 and c["capped"] == 1 and c["starved"] == 0
-    assert c["min"] == pytest.approx(8 / 40) and c["median"] == pytest.approx(5 / 6)
+    assert c["min"] == pytest.approx(8 / 40) and c["median"] == pytest.approx(2 / 3)  # 2/3, 5/6, 8/40
