@@ -243,5 +243,5 @@ def _assemble(results: dict, block_size: int, drafted: int, opts: dict, thinking
         "eos_token_ids": sorted(opts["eos"]),
         "wall_seconds": seconds,
         "sets": sets,
-        "overall": rep.summarize(all_spec, all_plain, block_size),
+        "overall": rep.summarize(all_spec, all_plain, drafted + 1),
     }

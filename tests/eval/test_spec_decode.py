@@ -365,3 +365,30 @@ def test_greedy_equals_target_for_every_architecture(qwen3, prompts, arch):
         plain = target_generate(qwen3, prompt, 24, [])
         spec = _spec(qwen3, drafter.eval(), prompt, 24)
         assert spec.tokens == plain.tokens and max(spec.accepted) <= drafter.drafted(4)
+
+
+def test_a_dspark_drafter_s_full_blocks_are_reported(qwen3, prompts, monkeypatch):
+    """DSpark drafts B tokens a step, so a step may accept all B: the report (per set and overall)
+    takes acceptances up to B (it used to stop at B - 1 and fail the eval after decoding)."""
+    import dataclasses
+
+    from dflash_train.eval import evaluate as ev
+    from dflash_train.model.architectures import build_drafter
+    from dflash_train.model.config import drafter_config_from_target
+
+    cfg = drafter_config_from_target(qwen3.config, num_layers=1, block_size=2, mask_token_id=96, num_taps=2,
+                                     arch="dspark")
+    drafter = build_drafter(dataclasses.replace(cfg, markov_rank=8)).double().eval()
+    drafter.reset_parameters(std=0.2, generator=torch.Generator().manual_seed(0))
+    truth = target_generate(qwen3, prompts[0], 12, []).tokens
+
+    def oracle(d, ctx, anchor, embed, head, block_size, temperature, generator=None):  # always right
+        start = ctx.length - prompts[0].shape[1] + 1
+        return torch.tensor((truth + [0] * 4)[start:start + 2]), None
+
+    monkeypatch.setattr(spec_decode, "draft_block", oracle)
+    spec = _spec(qwen3, drafter, prompts[0], 12)
+    plain = target_generate(qwen3, prompts[0], 12, [])
+    report = ev._assemble({"s": ([spec], [plain])}, 2, drafter.drafted(2),
+                          {"max_new_tokens": 12, "eos": set(), "temperature": 0.0}, None, 0, 1.0)
+    assert max(spec.accepted) == 2 and report["overall"]["tau"] == report["sets"]["s"]["tau"] > 2
