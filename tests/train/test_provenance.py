@@ -91,7 +91,7 @@ def test_resume_refuses_a_changed_target_drafter_or_batch_order_and_allows_a_tar
     torch.manual_seed(1)
     Qwen3ForCausalLM(config).save_pretrained(other)  # the same architecture, other weights
     smollm2_tokenizer.save_pretrained(other)
-    with pytest.raises(ProvenanceMismatch, match=r"(?s)target: weights_fingerprint: .* -> .*train.allow_changed=target"):
+    with pytest.raises(ProvenanceMismatch, match=r"(?s)target: weights_sha256: .* -> .*train.allow_changed=target"):
         train(_cfg(other, out, "train.resume=true", f"target.model={other}"))
     with pytest.raises(ProvenanceMismatch, match=r"drafter: .*num_layers: 1 -> 2"):
         train(_cfg(tiny_qwen3_dir, out, "train.resume=true", "drafter.num_layers=2"))
