@@ -103,7 +103,9 @@ class StopVote:
     def for_topology(cls, topo, group, max_in_flight: int) -> "StopVote":
         if not topo.distributed:
             return cls(0, 1, None, 0, 0)
-        slack = max_in_flight + 1 if topo.has_target_ranks else 1  # how far the fastest rank may run ahead
+        if not topo.has_target_ranks:  # drafter ranks only: their all-reduces keep them within a step
+            return cls(topo.rank, topo.world_size, group, 1, 2)
+        slack = min(max_in_flight, 2)  # how far targets run ahead of drafters (back-pressure, prefetch)
         return cls(topo.rank, topo.world_size, group, slack, slack + 1 + PREFETCH)
 
     def after_step(self, step: int, code: int) -> None:
@@ -149,7 +151,7 @@ class StopVote:
             requests = {topo.rank: stop.code}  # a signal after this rank's last vote: only this rank knows
         if not requests:
             return None
-        self.requests = requests
+        self.requests, stop.settled = requests, True  # torchrun's teardown signals, as ranks exit, change nothing
         return {"step": step, "cause": self.cause(topo.role)}
 
     def message(self, step: int, role_of, max_minutes) -> str:
