@@ -50,9 +50,9 @@ WATCH_EVERY_S, GRACE_S = 0.5, 3.0
 PREFETCH = 1  # RemoteSource posts the receives of this many steps ahead
 
 
-class StopNow(BaseException):
+class StopNow(KeyboardInterrupt):
     """A signal outside the training loop (or repeated): this process stops at once. A
-    BaseException, like KeyboardInterrupt, so no `except Exception` swallows it."""
+    KeyboardInterrupt, so no `except Exception` swallows it and cli.py prints INTERRUPTED."""
 
 
 class StopFlag:
