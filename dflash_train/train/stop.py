@@ -129,8 +129,12 @@ class StopVote:
         self._decide(step, {rank: code for rank, code in enumerate(votes.tolist()) if code})
 
     def _decide(self, step: int, requests: dict[int, int]) -> None:
+        """The first vote with a request fixes the stop step; later ones only add who asked (every
+        rank reads the same votes, so all name the same ranks)."""
         if requests and self.stop_step is None:
-            self.stop_step, self.requests = step + self.lag, requests
+            self.stop_step = step + self.lag
+        for rank, code in requests.items():
+            self.requests.setdefault(rank, code)
 
     def stops_after(self, step: int) -> bool:
         return self.stop_step is not None and step >= self.stop_step

@@ -31,6 +31,9 @@ STEPS = 30
 def _rank(rank: int, world: int, init: str, out: str, request_at: dict, ahead: int, die_at: dict) -> None:
     """Rank 0 plays a target rank that runs ahead (no pause), the others drafter ranks; each walks
     the protocol as loop.py does and records the step it stopped after."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(60, exit=True)  # a hang shows its stack, and the test fails
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     topo = Topology("disaggregated", world, rank, rank, num_target_ranks=1)
     vote = StopVote.for_topology(topo, dist.new_group(backend="gloo"), max_in_flight=ahead)
@@ -132,7 +135,7 @@ def test_sigterm_to_the_launcher_checkpoints_the_agreed_step_and_resumes_to_the_
     assert problems == [], "\n".join(problems) + out[-3000:]
     assert "RESULT trial_lost_steps=0" in out and "RESULT trial_bit_exact=True" in out
     log = (tmp_path / "run.log").read_text()
-    assert "INTERRUPTED after step" in log and "(SIGTERM on every rank)" in log and "WATCHDOG" not in log
+    assert "INTERRUPTED after step" in log and "(SIGTERM on " in log and "WATCHDOG" not in log
 
 
 @pytest.mark.slow
