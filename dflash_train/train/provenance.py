@@ -65,7 +65,7 @@ def drafter_fields(dcfg) -> dict:
 
 
 def layout_of(cfg: RunConfig, topo) -> dict:
-    return {"mode": topo.mode, "target_ranks": topo.num_target_ranks, "drafter_ranks": topo.num_drafters,
+    return {"drafter_ranks": topo.num_drafters, "mode": topo.mode, "target_ranks": topo.num_target_ranks,
             "micro_batch": cfg.train.micro_batch}
 
 
