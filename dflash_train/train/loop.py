@@ -39,7 +39,7 @@ from dflash_train.train.loss import LossMix, LossStats, summarize
 from dflash_train.train.metrics import MetricsLog
 from dflash_train.train.optim import TimeBudget, build_optimizer, param_dtype
 from dflash_train.train.parallel import parallelize, resolve_backend, resolve_compile, use_shared_compile_cache
-from dflash_train.train.provenance import Provenance, fingerprints, layout_of
+from dflash_train.train.provenance import Provenance, check_ranks_agree, fingerprints, layout_of
 from dflash_train.train.sources import CollateArgs, Feed, TapsSource, TargetServer, build_source
 from dflash_train.train.simulate import simulated_tau, simulator
 from dflash_train.train.step import StepContext, reduce_stats, train_step
@@ -168,6 +168,7 @@ def _prepare(p: Process) -> Setup:
     resume = checkpointer.resume_point(cfg.train.resume, topo, p.ctl_group, p.log)
     prov = Provenance(fingerprints(cfg, target, dcfg, data.train, layout_of(cfg, topo), p.log),
                       cfg.train.allow_changed, p.log)
+    check_ranks_agree(prov.current, topo, p.ctl_group)
     if resume is not None:  # before any state is loaded, on every rank: a mismatch stops them all
         prov.load_state_dict(resume.trainer.get("provenance", {}))
     return Setup(target, dcfg, data, feed, total_steps, backend, compiled, checkpointer, resume, prov, precision)

@@ -26,6 +26,8 @@ import hashlib
 import json
 from array import array
 
+import torch.distributed as dist
+
 from dflash_train.config import RESUME_CHANGEABLE, RunConfig
 from dflash_train.model.target_identity import describe_target
 
@@ -108,6 +110,23 @@ def differences(saved: dict, current: dict) -> dict[str, list[str]]:
 
 class ProvenanceMismatch(ValueError):
     """A resume would continue a different training than the checkpoint's."""
+
+
+def check_ranks_agree(current: dict, topo, group) -> None:
+    """Every rank read the same data, target, tokenizer and drafter (node-local disks: each node
+    reads its own copies). Collective over `group`; raises naming the part and the ranks."""
+    if not topo.distributed:
+        return
+    mine = {part: _digest(value) for part, value in current.items()}
+    every = [None] * topo.world_size
+    dist.all_gather_object(every, mine, group=group)
+    differ = {part: [rank for rank, theirs in enumerate(every) if theirs[part] != every[topo.drafter_ranks[0]][part]]
+              for part in mine}
+    differ = {part: ranks for part, ranks in differ.items() if ranks}
+    if differ:
+        parts = "; ".join(f"{part} on ranks {ranks}" for part, ranks in differ.items())
+        raise ProvenanceMismatch(f"ranks read different inputs than the main drafter rank {topo.drafter_ranks[0]}: "
+                                 f"{parts} (on several nodes, each needs the same target and data.train files)")
 
 
 def _count_changed(saved: dict, current: dict) -> bool:
