@@ -116,6 +116,10 @@ class DrafterState:
         with full_precision_weights(self.optimizer):
             save_zlab(self.drafter, path, dtype=torch.float32, draft_vocab=self.draft_vocab)
 
+    def load(self, path: Path) -> None:
+        loaded = load_zlab(path, device=next(self.drafter.parameters()).device, dtype=torch.float32)
+        self.load_state_dict(loaded.state_dict())
+
     def non_finite(self) -> str | None:
         """The first weight holding a NaN or an infinity, or None."""
         with full_precision_weights(self.optimizer):
