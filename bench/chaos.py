@@ -14,9 +14,11 @@ third), optionally resume with one drafter rank fewer or more, and check that
     checkpoint;
   - no checkpoint is half-written (every step_* holds drafter/, trainer.pt, meta.json);
   - a damaged latest is named at resume and the newest intact checkpoint is taken;
-  - `train.resume=true` finishes, and the final weights equal the reference run's: float32 CPU
-    with the same drafter ranks, bit for bit expected, checked at rtol 1e-5; with another number
-    of drafter ranks the gradients are summed in another order, checked at rtol 1e-4, atol 1e-6.
+  - `train.resume=true` finishes, and the final weights equal the reference run's: float32 CPU,
+    checked at rtol 1e-5, atol 1e-6 with the same drafter ranks (bit for bit with 1 or 2 drafter
+    ranks; with 3, last-ulp differences in the gradient all-reduce appear some steps after a
+    resume and grow to ~3e-7 over 10 steps: docs/LOG.md), and at rtol 1e-4, atol 1e-6 with
+    another number of drafter ranks (the gradients are summed in another order).
 Prints `RESULT` lines and one `VERDICT chaos:` line; exits non-zero if any trial failed.
 """
 
@@ -45,7 +47,7 @@ CKPT_EVERY = 2
 WHO = ("launcher", "main", "drafter", "target")
 DAMAGE = ("", "corrupt", "truncate")
 PARTS = ("drafter/model.safetensors", "trainer.pt", "meta.json")
-SAME_RTOL, SAME_ATOL, ELASTIC_RTOL, ELASTIC_ATOL = 1e-5, 1e-7, 1e-4, 1e-6
+SAME_RTOL, SAME_ATOL, ELASTIC_RTOL, ELASTIC_ATOL = 1e-5, 1e-6, 1e-4, 1e-6
 
 
 @dataclass(frozen=True)
