@@ -203,6 +203,7 @@ def _serve(p: Process, s: Setup) -> dict:
             balance.share_and_report("target", server.balance.seconds_per_sequence(), topo, p.log)
     stats = server.finish()
     p.vote.finish()  # held until the drafters' checkpoint of the last step is written
+    p.watch.stop()  # from here on the other ranks may leave
     p.log(f"target rank {topo.rank}: done, busy {stats['busy_s']:.1f}s, waiting on drafters {stats['wait_s']:.1f}s")
     stopped = p.vote.interruption(p.stop, topo, step)
     return _finish_distributed(p, {"role": "target", "steps": step, **stats, "interrupted": stopped})
@@ -274,6 +275,7 @@ def _train_drafter(p: Process, s: Setup) -> dict:
                            s.feed.plan.accum, s.backend, s.compiled, s.feed.spec.bytes_per_token, s.precision))
     last_sim = _loop(p, s, t)
     p.vote.finish()  # the last checkpoint is written: every rank may leave
+    p.watch.stop()  # (and the main one exports and evaluates alone)
     stopped = p.vote.interruption(p.stop, topo, t.progress.step)
     result = {"role": "drafter", "main": topo.is_main, "steps": t.progress.step, "total_steps": s.total_steps,
               "tokens": t.progress.tokens, "sim": last_sim, "interrupted": stopped, "out_dir": str(p.out_dir)}
@@ -472,8 +474,7 @@ def _agree_min(value: int, ctx: StepContext) -> int:
 
 
 def _finish_distributed(p: Process, result: dict) -> dict:
-    """After `StopVote.finish`: every rank got here (no barrier needed); the job's end is no surprise."""
-    p.watch.stop()
+    """After `StopVote.finish`: every rank got here (no barrier needed)."""
     if p.topo.distributed and dist.is_initialized():
         dist.destroy_process_group()
     return result
