@@ -173,11 +173,9 @@ class StopVote:
             by_code[code].append(rank)
         parts = []
         for code, ranks in by_code.items():
-            if len(ranks) == self.world_size and self.world_size > 1:
-                parts.append(f"{CODES[code]} on every rank")
-            else:
-                where = ", ".join(f"{r} ({role_of(r)})" for r in ranks)
-                parts.append(f"{CODES[code]} on rank{'s' if len(ranks) > 1 else ''} {where}")
+            who = ("every rank" if len(ranks) == self.world_size > 1 else
+                   f"rank{'s' if len(ranks) > 1 else ''} " + ", ".join(f"{r} ({role_of(r)})" for r in ranks))
+            parts.append(f"{CODES[code]}, seen on {who}" if code == LAUNCHER_DIED else f"{CODES[code]} on {who}")
         return "; ".join(parts)
 
 
