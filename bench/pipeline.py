@@ -263,7 +263,7 @@ def main(argv=None) -> int:
             C.check_compile_health(b, health, st, expect_compiled_flex=attn == "flex")
 
     with b.phase("drain"):  # the receives posted ahead are matched by the target's extra steps
-        for _, _, works, _ in list(source.pending):
+        for _, _, works, *_ in list(source.pending):
             for work in works:
                 work.wait()
         source.pending.clear()

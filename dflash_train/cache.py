@@ -13,6 +13,9 @@ A builder killed mid-build leaves at most a temporary sibling or an unmarked dir
 caller (holding the lock, so no one else is building) removes it with a message and rebuilds. A
 lock held by a dead process is harmless: the kernel releases flock when its holder dies. Lock files
 are left in place on purpose (removing one would let two processes lock different inodes).
+
+`file_sha256` identifies a file by its whole content (a target's weights, a data file), hashed once
+per version of the file (path, size, mtime) on each node and cached as a record built the same way.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -156,3 +160,57 @@ def build_once(final: str | Path, build: Callable[[Path], None], describe: str, 
             atomic.write_with(final, build)
         log(f"cache: built {describe} in {time.time() - t0:.1f} s")
         return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Content digests: a file's sha256, computed once per version of the file on this node
+
+HASH_CHUNK = 8 << 20
+ANNOUNCE_BYTES = 1 << 30  # files larger than this get a line before hashing and progress lines
+
+
+def digest_cache_dir() -> Path:
+    """Where digests are kept: `$DFLASH_TRAIN_CACHE/sha256` (node-local, like the GGUF conversions)."""
+    return Path(os.environ.get("DFLASH_TRAIN_CACHE", "~/.cache/dflash-train")).expanduser() / "sha256"
+
+
+def _hash_file(path: Path, size: int, log) -> str:
+    digest, done, t0, next_line = hashlib.sha256(), 0, time.monotonic(), PROGRESS_EVERY_S
+    if size >= ANNOUNCE_BYTES:
+        log(f"hashing {path} ({size / 1e9:.1f} GB) once; later runs read the cached digest")
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            digest.update(chunk)
+            done += len(chunk)
+            waited = time.monotonic() - t0
+            if waited >= next_line:
+                rate = done / waited
+                log(f"hashing {path.name}: {done / size:.0%} of {size / 1e9:.1f} GB, {rate / 1e9:.2f} GB/s, "
+                    f"ETA {(size - done) / max(rate, 1.0):.0f} s")
+                next_line += PROGRESS_EVERY_S
+    return digest.hexdigest()
+
+
+def file_sha256(path: str | Path, log=print) -> str:
+    """The sha256 of a file's whole content, computed once per (path, size, mtime) on this node:
+    the digest is cached under `digest_cache_dir()`, and concurrent callers (the ranks of a node)
+    wait for the one that hashes (`build_once`)."""
+    path = Path(path).resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:32]
+    record = digest_cache_dir() / f"{key}.json"
+
+    def build(tmp: Path) -> None:
+        tmp.write_text(json.dumps({"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                                   "sha256": _hash_file(path, stat.st_size, log)}) + "\n")
+
+    def quiet(line: str) -> None:  # the hashing says enough; waiting for another rank's is still said
+        if not line.startswith(("cache: building", "cache: built")):
+            log(line)
+
+    build_once(record, build, f"the sha256 of {path.name}", directory=False, log=quiet)
+    try:
+        return json.loads(record.read_text())["sha256"]
+    except (OSError, ValueError, KeyError):  # a damaged record: hash again, and replace it
+        record.unlink(missing_ok=True)
+        return file_sha256(path, log)

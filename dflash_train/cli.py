@@ -5,8 +5,10 @@ config tree (dflash_train/config.py); its flags are aliases of config fields (`e
 --target T` is `eval.drafter=D target.model=T`). The config is resolved as recipe, then flags, then
 overrides; validated (dflash_train/validate.py) before anything heavy is loaded; then the command
 runs (dflash_train/commands/). Every command ends with one verdict line, printed here:
-`dflash-train <cmd>: OK ...` (exit 0) or `dflash-train <cmd>: FAILED: <cause>` (exit 2 for a config
-error, 1 otherwise).
+`dflash-train <cmd>: OK ...` (exit 0), `dflash-train <cmd>: INTERRUPTED ...` (exit 3: stopped by a
+signal; `train` names the checkpointed step and how to resume) or `dflash-train <cmd>: FAILED:
+<cause>` (exit 2 for a config error, 1 otherwise). Errors written for users (a ValueError, a missing
+file, or an error class with `readable = True`) print their message alone, others a traceback too.
 """
 
 from __future__ import annotations
@@ -112,9 +114,9 @@ def run_command(name: str, argv: list[str]) -> int:
         outcome = module.run(cfg)
     except SystemExit as e:  # --help
         return int(e.code or 0)
-    except KeyboardInterrupt:
-        print(f"dflash-train {name}: FAILED: interrupted", flush=True)
-        return 130
+    except KeyboardInterrupt as e:  # Ctrl-C, or a signal outside train's loop (train/stop.py StopNow)
+        print(f"dflash-train {name}: INTERRUPTED ({e or 'Ctrl-C'})", flush=True)
+        return 3
     except Exception as e:  # noqa: BLE001 - every failure ends with a verdict and a non-zero exit
         return _failed(name, e)
     verdict = outcome if isinstance(outcome, Verdict) else Verdict(outcome)
@@ -126,7 +128,7 @@ def run_command(name: str, argv: list[str]) -> int:
 def _failed(name: str, error: Exception) -> int:
     """Print the FAILED verdict (the message alone for errors written for users, else the traceback
     first); under torchrun exit at once, since peers may be blocked in a collective."""
-    readable = isinstance(error, (ValueError, FileNotFoundError))
+    readable = isinstance(error, (ValueError, FileNotFoundError)) or getattr(error, "readable", False)
     if not readable:
         traceback.print_exc()
     cause = str(error) if readable else f"{type(error).__name__}: {error}"

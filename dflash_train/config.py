@@ -262,7 +262,9 @@ class TrainConfig:
     keep_last: int = 2
     watchdog_seconds: float = 600.0
     """No completed step for this long: dump every thread's stack and stop the job."""
-    resume: bool = False
+    resume: bool | str = False
+    """true: continue from the newest intact checkpoint of train.out_dir (a damaged `latest` is named
+    and set aside); a checkpoint directory (e.g. runs/x/checkpoints/step_00000500): continue from it."""
     allow_changed: tuple[str, ...] = ()
     """What a resume may find changed since the checkpoint, knowingly (a warning names it): any of
     RESUME_CHANGEABLE. Anything else changed refuses the resume (train/provenance.py)."""
@@ -419,7 +421,7 @@ def settings(cfg: RunConfig) -> list[tuple[str, object, object]]:
 
 
 def _optional_base(tp) -> tuple[object, bool]:
-    """`X | None` -> (X, True); anything else -> (tp, False)."""
+    """`X | None` -> (X, True); anything else -> (tp, False) (`bool | str` stays a union)."""
     args = typing.get_args(tp)
     if typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in args:
         return next(a for a in args if a is not type(None)), True
@@ -458,9 +460,11 @@ def _parse_value(text: str, tp, key: str):
             raise ConfigError(f"{key}={text!r}: expected one of {', '.join(choices)}")
         return text
     try:
-        if base is bool:
+        if base is bool or typing.get_args(base) == (bool, str):  # bool | str: a switch, or a path
             if text.lower() not in _TRUE + _FALSE:
-                raise ValueError(text)
+                if base is bool:
+                    raise ValueError(text)
+                return text
             return text.lower() in _TRUE
         if base in (int, float, str):
             return base(text)

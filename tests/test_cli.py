@@ -156,6 +156,12 @@ def test_verdicts_and_exit_codes(fake_command, capsys):
     assert cli.main(["fake"]) == 1
     out, err = capsys.readouterr()
     assert out == "dflash-train fake: FAILED: data.jsonl:3: bad JSON\n" and "Traceback" not in err
+    from dflash_train.train.checkpoint import CheckpointWriteError
+
+    module.outcome = CheckpointWriteError("checkpoint c/step_00000002 not written ([Errno 28] No space left on device)")
+    assert cli.main(["fake"]) == 1
+    out, err = capsys.readouterr()  # written for users: the message alone, no traceback
+    assert out.startswith("dflash-train fake: FAILED: checkpoint c/step_00000002 not written") and not err
     module.outcome = RuntimeError("kernel exploded")
     assert cli.main(["fake"]) == 1
     out, err = capsys.readouterr()

@@ -38,5 +38,13 @@ def run(cfg) -> str | Verdict:
     result = train(cfg)
     if result.get("role") == "drafter" and "export" in result:
         print(summary(result), flush=True)
-    detail = f"(rank {os.environ.get('RANK', '0')}, {result.get('role')}, {result.get('steps', '-')} steps)"
-    return Verdict(detail, "INTERRUPTED", 3) if result.get("interrupted") else detail
+    rank = os.environ.get("RANK", "0")
+    stopped = result.get("interrupted")
+    if not stopped:
+        return f"(rank {rank}, {result.get('role')}, {result.get('steps', '-')} steps)"
+    if not result.get("main"):  # one verdict for the job: the main drafter rank's
+        print(f"[rank {rank}] {result.get('role')}: stopped with the job after step {stopped['step']} "
+              f"({stopped['cause']}); the main drafter rank reports it", flush=True)
+        return Verdict("", "INTERRUPTED", 3, printed=True)
+    return Verdict(f"after step {stopped['step']} of {result['total_steps']} ({stopped['cause']}): checkpoint "
+                   f"{result.get('checkpoint')}; continue with the same command and --resume", "INTERRUPTED", 3)

@@ -27,7 +27,7 @@ from dflash_train.data.regen_taps import TappedSamples, regenerate_with_taps
 from dflash_train.data.regenerate import regenerate
 from dflash_train.data.rows import BadRows
 from dflash_train.data.synthesize import SynthSettings, synthesize_prompts
-from dflash_train.data.train_spec import SYNTHESIZE, parse_train_spec
+from dflash_train.data.train_spec import NAMED_SOURCES, SYNTHESIZE, parse_train_spec
 from dflash_train.data.text import continuation_samples, continuations_with_taps, resolve_data_format
 
 Paired = TypeVar("Paired")
@@ -172,11 +172,24 @@ def load_samples(path: Path, eval_fraction: float) -> tuple[list[Sample], list[S
 
 
 def train_key(cfg: DataConfig) -> str:
-    """`data.train` for cache keys, plus the synthesis settings when the target writes prompts."""
+    """`data.train` for cache keys: each source by its content (a file's sha256, never its name: an
+    edited file is rebuilt, a renamed one is the same) and its share, plus the synthesis settings
+    when the target writes prompts."""
+    sources = [(_content_of(name), count) for name, count in parse_train_spec(cfg.train, cfg.max_samples)]
     if SYNTHESIZE not in re.split(r"[,:]", cfg.train):
-        return cfg.train
+        return json.dumps(sources)
     synth = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name.startswith("synth_")}
-    return json.dumps([cfg.train, synth], sort_keys=True)
+    return json.dumps([sources, synth], sort_keys=True)
+
+
+def _content_of(source: str) -> str:
+    """A named source as is; a file or dataset directory as the sha256 of its files' contents."""
+    path = Path(source).expanduser()
+    if source in NAMED_SOURCES or not path.exists():
+        return source
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    parts = [f"{p.relative_to(path) if path.is_dir() else ''}|{cache.file_sha256(p)}" for p in files]
+    return "sha256:" + hashlib.sha256(";".join(parts).encode()).hexdigest()[:16]
 
 
 def read_train_conversations(cfg: DataConfig, target, target_name: str, work_dir: Path, seed: int, log=print,

@@ -4,6 +4,8 @@ rows reported by file, 1-based line and field (`DataError`) or counted by reason
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Iterator
@@ -22,6 +24,15 @@ class DataError(ValueError):
         what = f"field '{field_name}': {problem}" if field_name else problem
         super().__init__(f"{where}: {what}")
         self.reason = reason
+
+    @classmethod
+    def hinted(cls, err: "DataError") -> "DataError":
+        """`err` as raised to the user: with the setting that would skip such rows."""
+        hinted = cls.__new__(cls)
+        ValueError.__init__(hinted, f"{err}; to skip bad rows (counted and reported) instead, set "
+                                    "data.skip_bad_rows=true")
+        hinted.reason = err.reason
+        return hinted
 
 
 @dataclass
@@ -119,8 +130,15 @@ def parse_row(row, source: str, line: int, default_id: str | None = None) -> Con
     row_id = row.get("id")
     if row_id is not None and not isinstance(row_id, (str, int)):
         raise DataError(source, line, "id", f"expected a string or int, got {json_type_name(row_id)}", "wrong_type")
-    conv_id = str(row_id) if row_id is not None else (default_id or f"{source}:{line}")
+    conv_id = str(row_id) if row_id is not None else (default_id or content_id(line, messages))
     return Conversation(id=conv_id, messages=messages)
+
+
+def content_id(line: int, messages: list[dict]) -> str:
+    """The id of a row without one: its line and a digest of its messages, never the file's name,
+    so a renamed or copied file keeps its ids (and its held-out split and resume fingerprint)."""
+    digest = hashlib.blake2b(json.dumps(messages, sort_keys=True).encode(), digest_size=5).hexdigest()
+    return f"L{line}-{digest}"
 
 
 def parse_rows(rows: Iterable[tuple[int, object]], source: str, skip_bad_rows: bool,
@@ -133,5 +151,5 @@ def parse_rows(rows: Iterable[tuple[int, object]], source: str, skip_bad_rows: b
             yield parse_row(row, source, line)
         except DataError as err:
             if not skip_bad_rows:
-                raise
+                raise DataError.hinted(err) from None
             bad.add(err.reason, str(err))

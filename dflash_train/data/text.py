@@ -24,7 +24,7 @@ from dflash_train.data.conversations import file_rows, read_conversations
 from dflash_train.data.records import Conversation, TokenizedSample
 from dflash_train.data.regen_taps import regenerate_prompts_with_taps
 from dflash_train.data.regenerate import generate_batch, end_of_turn_ids
-from dflash_train.data.rows import BadRows, DataError, json_type_name, parse_row
+from dflash_train.data.rows import BadRows, DataError, content_id, json_type_name, parse_row
 
 FORMATS = ("auto", "chat", "text")
 
@@ -78,7 +78,7 @@ def _row_document(row, source: str, line: int) -> Document:
             raise DataError(source, line, "text", f"expected a string, got {json_type_name(row['text'])}",
                             "non_string_content")
         row_id = row.get("id")
-        return Document(str(row_id) if row_id is not None else f"{source}:{line}", row["text"])
+        return Document(str(row_id) if row_id is not None else content_id(line, row["text"]), row["text"])
     if isinstance(row, dict) and not {"conversations", "messages"} & set(row):
         raise DataError(source, line, "text", "missing (expected 'text', or a conversation)", "missing_field")
     return _joined(parse_row(row, source, line))
@@ -86,7 +86,7 @@ def _row_document(row, source: str, line: int) -> Document:
 
 def _paragraphs(path: Path) -> list[Document]:
     parts = [p.strip() for p in re.split(r"\n\s*\n", path.read_text(encoding="utf-8"))]
-    return [Document(f"{path.name}:{i}", p) for i, p in enumerate(parts) if p]
+    return [Document(content_id(i, p), p) for i, p in enumerate(parts) if p]  # not the name: a renamed file is the same
 
 
 def read_documents(spec: str, skip_bad_rows: bool = False, max_samples: int | None = None,

@@ -5,9 +5,11 @@ gives it, so an export records its training target (`TargetInfo.provenance()`, s
 `dflash_config.trained_against`) and `dflash-train check --target T` compares T against it:
 - `config_sha256`: the target's config.json without the keys that change with how it was saved
   or loaded (dtype, transformers version, path);
-- `weights_fingerprint`: per safetensors file its name, size, header (tensor names, dtypes,
-  shapes, offsets) and 16 evenly spaced 4 KiB samples of the data: cheap (64 KiB read per file)
-  yet different for any retrained or requantised model, and unlike mtimes it survives a copy;
+- `weights_sha256`: the sha256 of every safetensors file's whole content (hashed once per file
+  version and node, `cache.file_sha256`): any changed weight changes it, and it survives a copy;
+- `weights_fingerprint`: per safetensors file its name, size, header and 16 evenly spaced 4 KiB
+  samples of the data: cheap, and what exports recorded before `weights_sha256` (a weight nudged
+  between two samples keeps it: only `weights_sha256` identifies the weights);
 - `quantization`: `gguf Q4_1` when the trainer dequantised a GGUF file; what engines must then
   serve is the HF directory this tool converted it into (`serve`), not the hub's bf16 model.
 """
@@ -20,6 +22,7 @@ import struct
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from dflash_train import cache
 from dflash_train.model import target as target_mod
 
 VOLATILE_CONFIG_KEYS = {"_name_or_path", "transformers_version", "dtype", "torch_dtype"}
@@ -45,12 +48,14 @@ class TargetInfo:
     serve: str
     """What a serving engine should load as the target to see the training taps and lm_head: the
     GGUF's converted directory, the local directory, or the hub id."""
+    weights_sha256: str = ""
+    """The whole weights' content (`weights_sha256`); empty where it was not computed."""
 
     def provenance(self) -> dict:
         return asdict(self)
 
 
-def describe_target(model: str, gguf_file: str | None = None) -> TargetInfo:
+def describe_target(model: str, gguf_file: str | None = None, log=print) -> TargetInfo:
     """Identify a target spec (as `load_target` takes it) from its files; converts a GGUF once
     (as `load_target` would) since the conversion is what the trainer loads."""
     path, gguf = target_mod.resolve_target(model, gguf_file)
@@ -70,7 +75,8 @@ def describe_target(model: str, gguf_file: str | None = None) -> TargetInfo:
     return TargetInfo(name=model, path=str(hf_dir), quantization=quantization, config_sha256=config_hash(config),
                       weights_fingerprint=weights_fingerprint(weights), num_layers=int(text["num_hidden_layers"]),
                       hidden_size=int(text["hidden_size"]),
-                      vocab_size=_embedding_rows(weights) or int(text["vocab_size"]), serve=serve)
+                      vocab_size=_embedding_rows(weights) or int(text["vocab_size"]), serve=serve,
+                      weights_sha256=weights_sha256(weights, log))
 
 
 def _local_model_dir(model: str) -> Path:
@@ -116,6 +122,14 @@ def weights_fingerprint(files: list[Path]) -> str:
             for i in range(SAMPLES_PER_FILE):
                 f.seek(start + span * i // (SAMPLES_PER_FILE - 1))
                 digest.update(f.read(SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def weights_sha256(files: list[Path], log=print) -> str:
+    """One digest of the files' names and whole contents (each hashed once per version: cached)."""
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(f"{path.name}|{cache.file_sha256(path, log)};".encode())
     return digest.hexdigest()[:16]
 
 

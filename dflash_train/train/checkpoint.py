@@ -8,18 +8,31 @@ Layout of `<out_dir>/checkpoints/step_00000100/`:
   trainer.pt    {name: state_dict()} of the others: "train" (progress), "optimizer", "scheduler",
                 "data" (the taps source's cursor), "budget" (a time budget's decision), "rng"
                 (torch.save of plain tensors and containers; loaded with weights_only=True)
-  meta.json     step, metrics, resolved config, provenance (argv, git sha, versions, world size)
+  meta.json     step, metrics, resolved config, provenance (argv, git sha, versions, world size), and
+                `files`: each other file's size and sha256, recorded when written (meta.json last)
 `latest` and `best` (by held-out simulated tau) are symlinks beside them. Only the last
-`keep_last` step directories are kept, plus the best one.
+`keep_last` step directories are kept, plus the best one and the newest verified one.
+
+Verified: before anything of a checkpoint is loaded, every file is checked against its recorded
+size and sha256 (`damage`). Resuming (`train.resume=true`) takes the newest intact checkpoint:
+a damaged `latest` is named, moved to `checkpoints/damaged/`, and the one before is taken with a
+line saying so; `train.resume=PATH` takes that checkpoint or refuses it, naming the newest intact
+one. Non-finite weights are never written (`NonFiniteWeights`), so never ranked best or exported.
+Only the main drafter rank reads a checkpoint; the others receive it (`resume_point`), so no other
+node needs to see `train.out_dir`.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import random
 import shutil
 import subprocess
 import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +42,7 @@ from safetensors import SafetensorError
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dflash_train import atomic
-from dflash_train.model.hf_format import load_zlab, save_zlab
+from dflash_train.model.hf_format import export_drafter, load_draft_vocab, load_zlab, save_zlab
 from dflash_train.train.optim import full_precision_weights
 
 
@@ -107,9 +120,108 @@ class DrafterState:
         loaded = load_zlab(path, device=next(self.drafter.parameters()).device, dtype=torch.float32)
         self.load_state_dict(loaded.state_dict())
 
+    def non_finite(self) -> str | None:
+        """The first weight holding a NaN or an infinity, or None."""
+        with full_precision_weights(self.optimizer):
+            return first_non_finite(self.drafter.state_dict())
+
+
+def first_non_finite(tensors: dict) -> str | None:
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            return name
+    return None
+
 
 class CheckpointWriteError(OSError):
     """A checkpoint could not be written (e.g. a full disk); the previous one is untouched."""
+
+    readable = True  # cli.py: the message alone, no traceback
+
+
+class CheckpointDamaged(ValueError):
+    """`train.resume=PATH` names a checkpoint whose files do not match their recorded checksums."""
+
+
+class NonFiniteWeights(ValueError):
+    """The drafter's weights hold a NaN or an infinity: they are never written or exported."""
+
+
+@dataclass
+class ResumePoint:
+    """A verified checkpoint as read by the main drafter rank and shared with every rank."""
+
+    path: Path
+    trainer: dict  # {name: state_dict()} of trainer.pt
+    weights: dict  # the drafter's float32 state dict
+
+
+FILES = "files"  # meta.json's record of every other file: {relative path: {"size", "sha256"}}
+PARTS = ("drafter", "trainer.pt", "meta.json")
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(8 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_records(root: Path) -> dict:
+    """{relative path: {"size", "sha256"}} of every file under `root` but meta.json."""
+    return {str(p.relative_to(root)): {"size": p.stat().st_size, "sha256": _sha256(p)}
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name != "meta.json"}
+
+
+def damage(path: Path) -> list[str]:
+    """What is wrong with the checkpoint at `path` (empty: intact): missing parts, an unreadable
+    meta.json, files whose size or sha256 differ from those recorded when it was written. A
+    checkpoint of an older version, without records, is checked for its parts only."""
+    path = Path(path)
+    problems = [f"{part} missing" for part in PARTS if not (path / part).exists()]
+    if problems:
+        return problems
+    try:
+        records = json.loads((path / "meta.json").read_text()).get(FILES, {})
+    except (OSError, ValueError, AttributeError) as e:
+        return [f"meta.json unreadable ({type(e).__name__})"]
+    for name, want in records.items():
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name} missing")
+        elif file.stat().st_size != want["size"]:
+            problems.append(f"{name} is {file.stat().st_size} bytes, {want['size']} when written (truncated?)")
+        elif _sha256(file) != want["sha256"]:
+            problems.append(f"{name} does not match its checksum (sha256) recorded when written (corrupted)")
+    return problems
+
+
+class _RecordingWriter(io.RawIOBase):
+    """A file for torch.save that keeps the OSError of a failed write: torch reports only its own
+    `unexpected pos`, which names neither the file nor the cause (e.g. a full disk)."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+
+def save_trainer(states: dict, path: Path) -> None:
+    with open(path, "wb") as f:
+        writer = _RecordingWriter(f)
+        try:
+            torch.save({key: state.state_dict() for key, state in states.items()}, writer)
+        except RuntimeError as e:
+            raise (writer.error or e) from None
 
 
 class Checkpointer:
@@ -119,34 +231,85 @@ class Checkpointer:
     def __init__(self, out_dir: str | Path, keep_last: int):
         self.root = Path(out_dir) / "checkpoints"
         self.keep_last = max(1, keep_last)
+        self.verified: Path | None = None  # the newest checkpoint known intact (written or checked here)
 
-    def resume_point(self, resume: bool, topo) -> tuple[str, dict] | None:
-        """(path, trainer_state) of the latest checkpoint when resuming, read on the main drafter
-        rank and shared with every rank (targets need the data cursor; trainer.pt is read once)."""
+    def resume_point(self, resume: bool | str, topo, group=None, log=print) -> ResumePoint | None:
+        """The verified checkpoint to resume from (see the module doc), read on the main drafter
+        rank only and shared with every rank over `group` (targets need the data cursor; other
+        nodes need not see this directory)."""
         payload = [None]
         if resume and (topo.is_main or not topo.distributed):
-            path = self.latest()
-            if path is None:
-                print(f"resume: no checkpoint under {self.root}; starting fresh", flush=True)
-            else:
-                payload = [(str(path), torch.load(path / "trainer.pt", map_location="cpu", weights_only=True))]
+            payload = [self._find(resume, log)]
         if topo.distributed:
-            dist.broadcast_object_list(payload, src=topo.drafter_ranks[0])
+            dist.broadcast_object_list(payload, src=topo.drafter_ranks[0], group=group)
         return payload[0]
 
+    def _find(self, resume: bool | str, log) -> ResumePoint | None:
+        if isinstance(resume, str):
+            return self._explicit(Path(resume).expanduser(), log)
+        latest = self.latest()
+        if latest is None:
+            log(f"resume: no checkpoint under {self.root}; starting fresh")
+            return None
+        for candidate in [latest] + [p for p in self._steps()[::-1] if p != latest]:
+            point, problems = self._read(candidate)
+            if point is not None:
+                if candidate != latest:
+                    log(f"resume: resuming from {candidate.name}, the newest intact checkpoint (its later steps "
+                        "are trained again)")
+                    atomic.point_link(self.root / "latest", candidate.name)
+                return point
+            log(f"resume: checkpoint {candidate} is damaged: {'; '.join(problems)}; moved to "
+                f"{self._set_aside(candidate)}")
+        log(f"resume: no intact checkpoint under {self.root}; starting fresh")
+        return None
+
+    def _explicit(self, path: Path, log) -> ResumePoint:
+        point, problems = self._read(path.resolve())
+        if point is None:
+            intact = next((p for p in self._steps()[::-1] if not damage(p)), None)
+            offer = f"the newest intact one is {intact}: train.resume={intact}" if intact else "no intact one"
+            raise CheckpointDamaged(f"train.resume={path}: {'; '.join(problems)}; {offer}")
+        log(f"resume: from {point.path} (train.resume)")
+        return point
+
+    def _read(self, path: Path) -> tuple[ResumePoint | None, list[str]]:
+        """(the verified checkpoint, []) or (None, what is wrong with it)."""
+        if not path.is_dir():
+            return None, [f"{path} is not a checkpoint directory"]
+        problems = damage(path)
+        if problems:
+            return None, [f"{path.name}/{p}" for p in problems]
+        try:
+            trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
+            weights = load_zlab(path / "drafter", device="cpu", dtype=torch.float32).state_dict()
+        except (OSError, RuntimeError, ValueError, SafetensorError, EOFError) as e:  # a checkpoint without records
+            return None, [f"{path.name} unreadable: {type(e).__name__}: {e}"]
+        bad = first_non_finite(weights)
+        if bad is not None:
+            return None, [f"{path.name}/drafter holds non-finite weights ({bad}; written before this check)"]
+        self.verified = path
+        return ResumePoint(path, trainer, weights), []
+
+    def _set_aside(self, path: Path) -> Path:
+        """A damaged checkpoint out of the way (kept for inspection, never taken or counted again)."""
+        dest = self.root / "damaged" / f"{path.name}-{time.strftime('%Y%m%d-%H%M%S')}"
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        path.rename(dest)
+        for link in ("latest", "best"):
+            if (self.root / link).is_symlink() and not (self.root / link).exists():
+                (self.root / link).unlink()  # it pointed at the damaged one
+        return dest
+
     @staticmethod
-    def restore(point: tuple[str, dict], states: dict[str, Stateful], model: DrafterState | None = None) -> None:
+    def restore(point: ResumePoint, states: dict[str, Stateful], model: DrafterState | None = None) -> None:
         """Load a resume point into `model` and the named states (a name the checkpoint lacks,
         written by an older version, keeps its fresh state)."""
-        path, trainer = point
-        missing = [part for part in ("drafter", "trainer.pt", "meta.json") if not (Path(path) / part).exists()]
-        if missing:
-            raise FileNotFoundError(f"{path}: incomplete checkpoint, missing {missing}")
         if model is not None:
-            model.load(Path(path) / "drafter")
+            model.load_state_dict(point.weights)
         for name, state in states.items():
-            if name in trainer:
-                state.load_state_dict(trainer[name])
+            if name in point.trainer:
+                state.load_state_dict(point.trainer[name])
 
     def latest(self) -> Path | None:
         link = self.root / "latest"
@@ -156,27 +319,44 @@ class Checkpointer:
         link = self.root / "best"
         return link.resolve() if link.exists() else None
 
+    def intact_best(self, log=print) -> Path | None:
+        """What to export: `best` if intact, else the newest intact checkpoint (said)."""
+        best = self.best() or self.latest()
+        if best is not None and not damage(best):
+            return best
+        intact = next((p for p in self._steps()[::-1] if not damage(p)), None)
+        log(f"export: {best} is damaged ({'; '.join(damage(best)) if best else 'none'}); exporting {intact}")
+        return intact
+
     def save(self, step: int, model: DrafterState, states: dict[str, Stateful], meta: dict,
              sim_tau: float | None = None) -> Path:
-        """Write step_<step>/ atomically: the drafter and {name: state_dict()} of every Stateful;
-        repoint `latest` (and `best`), prune old steps."""
+        """Write step_<step>/ atomically: the drafter, {name: state_dict()} of every Stateful and the
+        checksums of both; repoint `latest` (and `best`), prune old steps."""
         name = f"step_{step:08d}"
+        bad = model.non_finite()
+        if bad is not None:
+            raise NonFiniteWeights(f"step {step}: the drafter's weight {bad} is non-finite: checkpoint {name} not "
+                                   f"written; {self.latest() or 'no earlier checkpoint'} holds the last finite weights")
         self._remove_stale_temporaries()
         try:
             with atomic.atomic_dir(self.root / name) as tmp:
                 model.save(tmp / "drafter")
-                torch.save({key: state.state_dict() for key, state in states.items()}, tmp / "trainer.pt")
-                (tmp / "meta.json").write_text(json.dumps({"step": step, "sim_tau": sim_tau, **meta}, indent=2,
-                                                          default=str))
+                save_trainer(states, tmp / "trainer.pt")
+                record = {"step": step, "sim_tau": sim_tau, **meta, FILES: file_records(tmp)}
+                (tmp / "meta.json").write_text(json.dumps(record, indent=2, default=str))
         except (OSError, RuntimeError, SafetensorError) as e:  # torch.save reports a failed write as RuntimeError
             raise CheckpointWriteError(f"checkpoint {self.root / name} not written ({e}); nothing half-written "
                                        f"was left, and {self.latest() or 'no earlier checkpoint'} is intact: free "
                                        "space and continue with --resume") from e
+        self.verified = self.root / name
         atomic.point_link(self.root / "latest", name)
         if sim_tau is not None and sim_tau >= self._best_tau():  # ties: the later, more trained one
             atomic.point_link(self.root / "best", name)
         self._prune()
         return self.root / name
+
+    def _steps(self) -> list[Path]:
+        return sorted(p for p in self.root.glob("step_*") if p.is_dir())
 
     def _remove_stale_temporaries(self) -> None:
         """Temporary directories of a writer that died mid-write (a SIGKILL): one process writes
@@ -189,12 +369,29 @@ class Checkpointer:
         best = self.best()
         if best is None:
             return float("-inf")
-        tau = json.loads((best / "meta.json").read_text()).get("sim_tau")
+        try:
+            tau = json.loads((best / "meta.json").read_text()).get("sim_tau")
+        except (OSError, ValueError):
+            return float("-inf")  # a damaged best never outranks a new checkpoint
         return float("-inf") if tau is None else float(tau)
 
     def _prune(self) -> None:
-        steps = sorted(p for p in self.root.glob("step_*") if p.is_dir())
-        protected = {self.best(), self.latest()}
-        for old in steps[:-self.keep_last]:
+        """Keep the last `keep_last`, best, latest, and the newest verified checkpoint."""
+        protected = {self.best(), self.latest(), self.verified.resolve() if self.verified else None}
+        for old in self._steps()[:-self.keep_last]:
             if old.resolve() not in protected:
                 shutil.rmtree(old, ignore_errors=True)
+
+
+def export_checkpoint(checkpoint: Path, out_dir: Path, log, target_cfg) -> Path:
+    """The serving artefact: the chosen checkpoint's drafter in bf16, z-lab format, checked, with the
+    checkpoint's draft vocabulary (the ids of its training softmax, `loss.train_vocab`) if it has one.
+    Non-finite weights are refused (`NonFiniteWeights`)."""
+    drafter = load_zlab(checkpoint / "drafter", device="cpu")  # weights only: no optimizer state read
+    bad = first_non_finite(drafter.state_dict())
+    if bad is not None:
+        raise NonFiniteWeights(f"{checkpoint}: the drafter's weight {bad} is non-finite: not exported")
+    path = export_drafter(drafter, out_dir / "drafter", target_cfg.model, target_cfg.gguf_file, log=log,
+                          draft_vocab=load_draft_vocab(checkpoint / "drafter", drafter.config.vocab_size))
+    log(f"exported z-lab drafter {path} (from {checkpoint.name})")
+    return path

@@ -1,13 +1,12 @@
 """The run's health checks, used by drafter and target ranks alike: the compile-health watch
 (after warm-up nothing new may compile and flex attention must run compiled, rule 1 of the house),
-the stop flag of SIGTERM/SIGINT, the non-finite guard's bookkeeping (`BadStepGuard`; the skip
-itself happens on the device, `step.health_flags` and `optim.step_unless`), and the fault
-injection that tests failure handling."""
+the non-finite guard's bookkeeping (`BadStepGuard`; the skip itself happens on the device,
+`step.health_flags` and `optim.step_unless`), and the fault injection that tests failure handling.
+Stopping (signals, the launcher's death, ranks that end early) is train/stop.py."""
 
 from __future__ import annotations
 
 import os
-import signal
 import time
 from dataclasses import dataclass
 
@@ -122,27 +121,6 @@ class BadStepGuard:
     def load_state_dict(self, state: dict) -> None:
         self.total, self.streak = state["total"], state["streak"]
 
-
-class StopFlag:
-    """SIGTERM/SIGINT: inside the training loop (`deferring`), the loop checkpoints and stops at the
-    next step boundary; anywhere else, or on a second signal, the process stops at once."""
-
-    def __init__(self):
-        self.signal = None
-        self.deferring = False
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        name = signal.Signals(signum).name
-        if not self.deferring or self.signal is not None:
-            print(f"{name}: stopping now", flush=True)
-            raise SystemExit(128 + signum)
-        self.signal = name
-        print(f"{name}: will checkpoint and stop after this step (again to stop at once)", flush=True)
-
-    def __call__(self) -> bool:
-        return self.signal is not None
 
 HEALTH_WARMUP_STEPS, HEALTH_CHECK_STEPS = 2, 2  # compile during the first, verify over the next
 

@@ -4,7 +4,9 @@ setup (topology, target, data, batching, resume point) -> target ranks serve tap
 drafter ranks: build the drafter, optimizer and taps source, restore them, then while step < end:
 taps -> step -> log / held-out simulated tau / checkpoint. Then the final checkpoint, the z-lab
 export and, with the target in-process, real speculative decoding on held-out prompts. Every
-process runs a watchdog; SIGTERM/SIGINT checkpoint and stop.
+process runs a watchdog. Every rank, target or drafter, votes after each step on stopping
+(SIGTERM/SIGINT/SIGHUP anywhere, the launcher's death, a spent time budget) and all stop after the
+same step, which the drafters checkpoint before any rank leaves (train/stop.py).
 """
 
 from __future__ import annotations
@@ -25,28 +27,29 @@ from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
 from dflash_train.eval.report import lossless_note
 from dflash_train.fp8 import resolve_precision
 from dflash_train.model.config import DrafterConfig
-from dflash_train.model.hf_format import export_drafter, load_draft_vocab, load_zlab
+from dflash_train.model.hf_format import load_zlab
 from dflash_train.model.target import load_target
 from dflash_train.train import balance, setup
 from dflash_train.train.balance import ComputeTimer
 from dflash_train.train.batching import BatchPlan, MicroBatch
-from dflash_train.train.checkpoint import Checkpointer, DrafterState, RNGState, TrainProgress, provenance
-from dflash_train.train.health import BadStepGuard, CompileHealthWatch, FaultPlan, NonFiniteSteps, StopFlag
+from dflash_train.train.checkpoint import (Checkpointer, DrafterState, ResumePoint, RNGState, TrainProgress,
+                                           export_checkpoint, provenance)
+from dflash_train.train.health import BadStepGuard, CompileHealthWatch, FaultPlan, NonFiniteSteps
 from dflash_train.train.loss import LossMix, LossStats, summarize
 from dflash_train.train.metrics import MetricsLog
 from dflash_train.train.optim import TimeBudget, build_optimizer, param_dtype
 from dflash_train.train.parallel import parallelize, resolve_backend, resolve_compile, use_shared_compile_cache
-from dflash_train.train.provenance import Provenance, fingerprints
+from dflash_train.train.provenance import Provenance, check_ranks_agree, fingerprints, layout_of
 from dflash_train.train.sources import CollateArgs, Feed, TapsSource, TargetServer, build_source
 from dflash_train.train.simulate import simulated_tau, simulator
 from dflash_train.train.step import StepContext, reduce_stats, train_step
+from dflash_train.train.stop import BUDGET_SPENT, PeerWatch, StopFlag, StopVote
 from dflash_train.train.taps import taps_spec
-from dflash_train.train.topology import (Topology, init_distributed, init_target_groups, pick_device,
-                                         topology_from_env)
+from dflash_train.train.topology import (Topology, control_group, init_distributed, init_target_groups,
+                                         pick_device, topology_from_env)
 from dflash_train.validate import validate_run
 
 PAD_MULTIPLE = 64  # uncompiled runs pad lengths to this multiple; compiled runs pad to max_len (static)
-AGREE_EVERY = 4  # several drafter ranks agree on stopping (signal, time budget) every this many steps
 SETUP_WATCHDOG_S = 1800.0  # loading, data preparation and the first (compiling) step beat rarely
 
 
@@ -58,11 +61,14 @@ class Process:
     topo: Topology
     device: torch.device
     dp_group: object  # the drafter ranks' process group (None for a world of one)
+    ctl_group: object  # gloo over the whole world: stop votes and start-up sharing (None for a world of one)
     target_mesh: object  # this target rank's group mesh when groups shard the target, else None
     out_dir: Path
     log: object
     watchdog: Watchdog
     stop: StopFlag
+    vote: StopVote
+    watch: PeerWatch
     faults: FaultPlan
 
 
@@ -78,7 +84,7 @@ class Setup:
     backend: str
     compiled: bool
     checkpointer: Checkpointer
-    resume: tuple[str, dict] | None  # (checkpoint path, trainer state) when resuming
+    resume: ResumePoint | None  # the verified checkpoint to continue, when resuming
     provenance: Provenance  # what this run trains with; checked against the resume point's
     precision: tuple[str, str]  # the drafter's matmuls, bf16 | fp8, and why (fp8.resolve_precision)
 
@@ -102,20 +108,29 @@ def train(cfg: RunConfig) -> dict:
     topo = topology_from_env(cfg.topology.mode, cfg.topology.target_ranks, cfg.topology.target_group_size,
                              cfg.topology.target_parallel)
     validate_run(cfg, topo)
-    faults = FaultPlan.from_env()
+    faults, stop, log = FaultPlan.from_env(), StopFlag(), _logger(topo)
     device = pick_device(topo)
     dp_group = init_distributed(topo, device)
+    ctl_group = control_group(topo)
     target_mesh = init_target_groups(topo, device)
     out_dir = Path(cfg.train.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     use_shared_compile_cache(out_dir.parent / ".compile-cache")
     watchdog = Watchdog(max(cfg.train.watchdog_seconds, SETUP_WATCHDOG_S), name=f"rank{topo.rank}")
     watchdog.start()
-    p = Process(cfg, topo, device, dp_group, target_mesh, out_dir, _logger(topo), watchdog, StopFlag(), faults)
+    watch = PeerWatch(topo, stop, log).start(ctl_group)
+    p = Process(cfg, topo, device, dp_group, ctl_group, target_mesh, out_dir, log, watchdog, stop,
+                StopVote.for_topology(topo, ctl_group, cfg.topology.max_in_flight), watch, faults)
     try:
         p, s = _prepare(p)
         return _serve(p, s) if topo.is_target else _train_drafter(p, s)
+    except Exception as e:
+        explained = watch.explain(e)  # a lost connection: name the rank that is gone
+        if explained is e:
+            raise
+        raise explained from e
     finally:
+        watch.stop()
         watchdog.stop()
 
 
@@ -141,7 +156,7 @@ def _prepare(p: Process) -> tuple[Process, Setup]:
     spec = taps_spec(dcfg, target.dtype, final_hidden=cfg.loss.needs_target_hidden)
     with p.watchdog.stage("prepare data"):
         data = setup.load_data(cfg, topo, target, list(dcfg.target_layer_ids), spec, p.out_dir / "data", p.log,
-                               p.watchdog.beat)
+                               p.watchdog.beat, p.ctl_group)
     backend = resolve_backend(cfg.train.attention, p.device)
     compiled = resolve_compile(cfg.train.compile, p.device)
     precision = resolve_precision(cfg.train.precision, p.device, dcfg.hidden_size, compiled)
@@ -154,10 +169,12 @@ def _prepare(p: Process) -> tuple[Process, Setup]:
                 cfg.train.seed)
     total_steps = setup.total_steps_of(cfg, feed.sampler().steps_per_epoch)
     checkpointer = Checkpointer(p.out_dir, cfg.train.keep_last)
-    resume = checkpointer.resume_point(cfg.train.resume, topo)
-    prov = Provenance(fingerprints(cfg, target, dcfg, data.train), cfg.train.allow_changed, p.log)
+    resume = checkpointer.resume_point(cfg.train.resume, topo, p.ctl_group, p.log)
+    prov = Provenance(fingerprints(cfg, target, dcfg, data.train, layout_of(cfg, topo), p.log),
+                      cfg.train.allow_changed, p.log)
+    check_ranks_agree(prov.current, topo, p.ctl_group)
     if resume is not None:  # before any state is loaded, on every rank: a mismatch stops them all
-        prov.load_state_dict(resume[1].get("provenance", {}))
+        prov.load_state_dict(resume.trainer.get("provenance", {}))
     return p, Setup(target, dcfg, data, feed, total_steps, backend, compiled, checkpointer, resume, prov, precision)
 
 
@@ -173,13 +190,15 @@ def _serve(p: Process, s: Setup) -> dict:
                           cfg.topology.max_in_flight)
     if s.resume is not None:
         Checkpointer.restore(s.resume, {"data": server.sampler})  # the data cursor: where to go on
-    done = server.sampler.steps_done
-    health = CompileHealthWatch(s.compiled, False, done, p.log)
+    step = server.sampler.steps_done
+    health = CompileHealthWatch(s.compiled, False, step, p.log)
     server.send_held_out()
-    for step in range(done + 1, s.total_steps + 1):
-        if p.stop():
-            break
+    p.stop.deferring = True
+    while step < s.total_steps and not p.vote.stops_after(step):
+        step += 1
+        p.vote.before_step(step)
         server.serve_step(timed=balance.in_window(step), poison=p.faults.poisons(topo.rank, step))
+        p.vote.after_step(step, p.stop.code)
         p.watchdog.beat("target: sent step")
         p.watchdog.timeout_s = cfg.train.watchdog_seconds  # warm-up (compilation) is over: strict from now
         p.faults.inject_fault(topo.rank, step)
@@ -187,8 +206,11 @@ def _serve(p: Process, s: Setup) -> dict:
         if _balance_due(p, s, step):
             balance.share_and_report("target", server.balance.seconds_per_sequence(), topo, p.log)
     stats = server.finish()
+    p.vote.finish()  # held until the drafters' checkpoint of the last step is written
+    p.watch.stop()  # from here on the other ranks may leave
     p.log(f"target rank {topo.rank}: done, busy {stats['busy_s']:.1f}s, waiting on drafters {stats['wait_s']:.1f}s")
-    return _finish_distributed(topo, {"role": "target", **stats})
+    stopped = p.vote.interruption(p.stop, topo, step)
+    return _finish_distributed(p, {"role": "target", "steps": step, **stats, "interrupted": stopped})
 
 
 def _step_context(p: Process, s: Setup, drafter: torch.nn.Module) -> StepContext:
@@ -232,7 +254,7 @@ def _build_training(p: Process, s: Setup) -> Training:
     optimizer, scheduler = build_optimizer(drafter.named_parameters(), cfg.optim, s.total_steps, budget=budget,
                                            log=p.log if p.topo.is_main else None)
     source = build_source(s.feed, p.topo, s.target, list(s.dcfg.target_layer_ids), p.device, s.total_steps,
-                          s.data.stored)
+                          s.data.stored, stop_step=lambda: p.vote.stop_step)
     held_out = source.held_out()
     ctx = _step_context(p, s, drafter)
     draft_vocab = ctx.train_vocab.ids.cpu() if ctx.train_vocab is not None else None
@@ -242,7 +264,7 @@ def _build_training(p: Process, s: Setup) -> Training:
               "provenance": s.provenance}
     if s.resume is not None:
         Checkpointer.restore(s.resume, states, weights)
-        p.log(f"resumed from {s.resume[0]} at step {progress.step}")
+        p.log(f"resumed from {s.resume.path} at step {progress.step}")
     model = parallelize(drafter, device=p.device, compile_model=s.compiled, dp_group=p.dp_group,
                         num_drafters=p.topo.num_drafters, param_dtype=param_dtype(optimizer),
                         precision=s.precision[0], fp8_recipe=cfg.train.fp8_recipe,
@@ -251,7 +273,8 @@ def _build_training(p: Process, s: Setup) -> Training:
 
 
 def _train_drafter(p: Process, s: Setup) -> dict:
-    """A drafter rank: build, resume, then the loop; the main rank exports and evaluates."""
+    """A drafter rank: build, resume, then the loop; the main rank exports and evaluates unless
+    the job was asked to stop (a later --resume does both)."""
     cfg, topo, log = p.cfg, p.topo, p.log
     t = _build_training(p, s)
     if topo.is_main:
@@ -260,17 +283,21 @@ def _train_drafter(p: Process, s: Setup) -> dict:
                            s.feed.plan.accum, s.backend, s.compiled, s.feed.spec.bytes_per_token, s.precision,
                            coverage))
     last_sim = _loop(p, s, t)
-    result = {"role": "drafter", "steps": t.progress.step, "total_steps": s.total_steps,
-              "tokens": t.progress.tokens, "sim": last_sim, "interrupted": p.stop.signal, "out_dir": str(p.out_dir)}
-    if topo.is_main:
-        best = s.checkpointer.best() or s.checkpointer.latest()
-        result["export"] = str(_export(best, p.out_dir, log, cfg.target))
-        result["checkpoint"] = str(best)
-        if cfg.eval.num_prompts > 0 and topo.target_in_process and not p.stop():
+    p.vote.finish()  # the last checkpoint is written: every rank may leave
+    p.watch.stop()  # (and the main one exports and evaluates alone)
+    stopped = p.vote.interruption(p.stop, topo, t.progress.step)
+    result = {"role": "drafter", "main": topo.is_main, "steps": t.progress.step, "total_steps": s.total_steps,
+              "tokens": t.progress.tokens, "sim": last_sim, "interrupted": stopped, "out_dir": str(p.out_dir)}
+    if topo.is_main and stopped:
+        result["checkpoint"] = str(s.checkpointer.latest())
+    elif topo.is_main:
+        best = s.checkpointer.intact_best(log)
+        result["export"], result["checkpoint"] = str(export_checkpoint(best, p.out_dir, log, cfg.target)), str(best)
+        if cfg.eval.num_prompts > 0 and topo.target_in_process:
             with p.watchdog.stage("real speculative decoding eval"):
                 result.update(_real_eval(cfg, Path(result["export"]), s.target, p.out_dir, log, p.watchdog.beat,
                                          t.ctx))
-    return _finish_distributed(topo, result)
+    return _finish_distributed(p, result)
 
 
 def _loop(p: Process, s: Setup, t: Training):
@@ -283,26 +310,25 @@ def _loop(p: Process, s: Setup, t: Training):
     meta = {"config": cfg.to_dict(), "provenance": provenance(topo.world_size), "fingerprints": s.provenance.current}
     budget.start(progress.step, progress.seconds)  # a resumed run continues its time budget
     p.stop.deferring = True
-    while progress.step < _end(s, budget):
+    while progress.step < _end(s, budget) and not p.vote.stops_after(progress.step):
+        p.vote.before_step(progress.step + 1)
         epoch, mbs, stats, grad_norm = _one_step(p, s, t, timer)
         step = progress.step
         _decide_budget(p, t, metrics, step)
-        last = step == _end(s, budget)
+        p.vote.after_step(step, p.stop.code or (BUDGET_SPENT if budget.spent() else 0))
+        last, stopping = step == _end(s, budget), p.vote.stops_after(step)
         health.after_step(step, last=last)
-        interval.add(progress, sum(int(mb.attention_mask.sum()) for mb in mbs) * topo.num_drafters)
-        stopping = _agree(p.stop() or budget.spent(), t.ctx, step)
+        interval.add(progress, t.source.step_tokens)
         if step % cfg.train.log_every == 0 or step % cfg.train.ckpt_every == 0 or last or stopping:
             _check_finite(t.states["health"], s)  # same steps on every rank: all stop together, before a checkpoint
         if step % cfg.train.log_every == 0 or last or stopping:
             record = _train_record(step, epoch, reduce_stats(stats, t.ctx), grad_norm,
                                    t.states["scheduler"], interval.rate(p.device))
-            _log_step(metrics, record | {"skipped_steps": t.states["health"].total})
+            _log_step(metrics, record | {"skipped_steps": t.states["health"].total, "tokens": progress.tokens})
         metrics.advance(1)
         last_sim = _held_out_and_checkpoint(p, s, t, metrics, meta, step, last or stopping, last_sim)
         if stopping or (last and budget.steps is not None and step < s.total_steps):
-            metrics.write(_stop_message(step, cfg, p.stop.signal))
-            break
-    p.stop.deferring = False
+            metrics.write(p.vote.message(step, p.topo.role, cfg.train.max_minutes))
     metrics.close()
     return last_sim
 
@@ -372,7 +398,7 @@ def _held_out_and_checkpoint(p: Process, s: Setup, t: Training, metrics: Metrics
         metrics.log({"step": step, "seconds": round(t.budget.elapsed(), 1), "eval": last_sim})
         metrics.write(f"step {step}: held-out simulated tau {last_sim['sim_tau']:.3f}, acc {_fmt(last_sim['acc'])}")
     if step % cfg.train.ckpt_every == 0 or final:
-        with p.watchdog.stage("checkpoint"):
+        with p.watchdog.stage("checkpoint"), p.watch.holding():
             progress.seconds = t.budget.elapsed()
             # only a figure measured on these weights may make this checkpoint `best`
             path = s.checkpointer.save(step, t.weights, t.states, meta, sim_tau=last_sim["sim_tau"] if evaluated else None)
@@ -392,14 +418,6 @@ def _check_finite(guard: BadStepGuard, s: Setup) -> None:
 def _end(s: Setup, budget: TimeBudget) -> int:
     """The last step: a time budget's recorded decision, else the configured total."""
     return budget.steps if budget.steps is not None else s.total_steps
-
-
-def _stop_message(step: int, cfg: RunConfig, signal_name: str | None) -> str:
-    if signal_name:
-        return f"stopping at step {step}: {signal_name}; continue with --resume"
-    # the budget carries over on resume, so only a larger one trains further
-    return (f"stopping at step {step}: train.max_minutes={cfg.train.max_minutes} spent; continue with --resume and "
-            f"a larger train.max_minutes (the time spent carries over)")
 
 
 def _bytes_per_sequence(mbs: list[MicroBatch]) -> float:
@@ -456,18 +474,6 @@ def _fmt(values) -> str:
     return "[" + " ".join(f"{v:.2f}" for v in values) + "]"
 
 
-def _agree(flag: bool, ctx: StepContext, step: int) -> bool:
-    """All drafter ranks stop at the same step. With several, they compare flags every
-    AGREE_EVERY steps only: the all-reduce's `.item()` makes the host wait for the GPU."""
-    if ctx.num_drafters == 1:
-        return flag
-    if step % AGREE_EVERY:
-        return False
-    t = torch.tensor([1.0 if flag else 0.0], device=ctx.device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=ctx.dp_group)
-    return bool(t.item())
-
-
 def _agree_min(value: int, ctx: StepContext) -> int:
     """The smallest of the drafter ranks' values (one all-reduce; every rank calls it at the same step)."""
     if ctx.num_drafters == 1:
@@ -477,19 +483,9 @@ def _agree_min(value: int, ctx: StepContext) -> int:
     return int(t.item())
 
 
-def _export(checkpoint: Path, out_dir: Path, log, target_cfg) -> Path:
-    """The serving artefact: the chosen checkpoint's drafter in bf16, z-lab format, checked, with the
-    checkpoint's draft vocabulary (the ids of its training softmax, `loss.train_vocab`) if it has one."""
-    drafter = load_zlab(checkpoint / "drafter", device="cpu")  # weights only: no optimizer state read
-    path = export_drafter(drafter, out_dir / "drafter", target_cfg.model, target_cfg.gguf_file, log=log,
-                          draft_vocab=load_draft_vocab(checkpoint / "drafter", drafter.config.vocab_size))
-    log(f"exported z-lab drafter {path} (from {checkpoint.name})")
-    return path
-
-
-def _finish_distributed(topo, result: dict) -> dict:
-    if topo.distributed and dist.is_initialized():
-        dist.barrier()
+def _finish_distributed(p: Process, result: dict) -> dict:
+    """After `StopVote.finish`: every rank got here (no barrier needed)."""
+    if p.topo.distributed and dist.is_initialized():
         dist.destroy_process_group()
     return result
 

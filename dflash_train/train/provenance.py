@@ -3,15 +3,20 @@
 A checkpoint records fingerprints (`fingerprints`) of
   data       the training samples: their count and a digest of ids, lengths and
              loss-token counts of all, and the tokens of up to TOKENS_SAMPLED evenly spaced ones
-  target     `describe_target`'s config hash and weights fingerprint (model/target_identity.py)
-  tokenizer  vocabulary, special tokens and chat template
-  drafter    the drafter's architecture (`DrafterConfig`)
+             (sample ids come from the content, never from a file name: data/rows.py)
+  target     `describe_target`'s config hash and the sha256 of the whole weights
+             (model/target_identity.py), plus the older sampled weights fingerprint
+  tokenizer  vocabulary, special tokens and chat template (each digested apart)
+  drafter    the drafter's architecture (`DrafterConfig`), field by field
   order      what fixes the sequence of global batches: train.seqs_per_step, train.seed,
              train.num_anchors (never overridable; the number of drafter ranks and
              train.micro_batch may change, see `ORDER_FIELDS`)
+and the layout (topology mode, target and drafter ranks, micro-batch), which may change (an
+elastic resume) and is only reported.
 `Provenance` is Stateful: its `state_dict` is the fingerprints, its `load_state_dict` compares
-them with this run's and refuses a resume that changed anything, naming what, unless the part is
-in `train.allow_changed` (then a warning names it).
+them with this run's and refuses a resume that changed anything, naming the part and its field,
+unless the part is in `train.allow_changed` (then a warning names it). A refusal suggests an
+`allow_changed` value only where that value lets the resume go on.
 """
 
 from __future__ import annotations
@@ -21,11 +26,15 @@ import hashlib
 import json
 from array import array
 
+import torch.distributed as dist
+
 from dflash_train.config import RESUME_CHANGEABLE, RunConfig
 from dflash_train.model.target_identity import describe_target
 
 TOKENS_SAMPLED = 1024
 ORDER_FIELDS = ("seqs_per_step", "seed", "num_anchors")  # train.*: the global batch sequence depends on them
+DIGESTS = ("sha256",)  # summary fields: named only when no other field of their part explains the change
+LAYOUT = "layout"
 
 
 def _digest(obj) -> str:
@@ -42,32 +51,58 @@ def data_fingerprint(samples: list) -> dict:
     return {"num_samples": len(samples), "sha256": digest.hexdigest()[:16]}
 
 
+def _tokenizer_parts(tokenizer) -> dict:
+    return {"vocab": tokenizer.get_vocab(), "special": tokenizer.all_special_tokens,
+            "chat_template": getattr(tokenizer, "chat_template", None)}
+
+
 def tokenizer_fingerprint(tokenizer) -> str:
-    return _digest({"vocab": tokenizer.get_vocab(), "special": tokenizer.all_special_tokens,
-                    "chat_template": getattr(tokenizer, "chat_template", None)})
+    return _digest(_tokenizer_parts(tokenizer))
 
 
-def fingerprints(cfg: RunConfig, target, dcfg, train_samples: list) -> dict:
-    info = describe_target(cfg.target.model, cfg.target.gguf_file)
-    return {
+def drafter_fields(dcfg) -> dict:
+    """The drafter's architecture as plain values (`extra`, not part of its identity, left out)."""
+    fields = {f.name: getattr(dcfg, f.name) for f in dataclasses.fields(dcfg) if f.compare}
+    return json.loads(json.dumps(fields, default=str))
+
+
+def layout_of(cfg: RunConfig, topo) -> dict:
+    return {"drafter_ranks": topo.num_drafters, "mode": topo.mode, "target_ranks": topo.num_target_ranks,
+            "micro_batch": cfg.train.micro_batch}
+
+
+def fingerprints(cfg: RunConfig, target, dcfg, train_samples: list, layout: dict | None = None, log=print) -> dict:
+    info = describe_target(cfg.target.model, cfg.target.gguf_file, log=log)
+    tokenizer = _tokenizer_parts(target.tokenizer)
+    found = {
         "data": data_fingerprint(train_samples),
         # contents only, not paths or specs: a moved or copied target or data file is the same one
-        "target": {"config_sha256": info.config_sha256, "weights_fingerprint": info.weights_fingerprint},
-        "tokenizer": {"sha256": tokenizer_fingerprint(target.tokenizer)},
-        "drafter": {"sha256": _digest(dataclasses.asdict(dcfg))},
+        "target": {"config_sha256": info.config_sha256, "weights_sha256": info.weights_sha256,
+                   "weights_fingerprint": info.weights_fingerprint},
+        "tokenizer": {"sha256": tokenizer_fingerprint(target.tokenizer),
+                      **{name: _digest(part) for name, part in tokenizer.items()}},
+        "drafter": {"sha256": _digest(dataclasses.asdict(dcfg)), **drafter_fields(dcfg)},
         "order": {f"train.{name}": getattr(cfg.train, name) for name in ORDER_FIELDS},
     }
+    return found | ({LAYOUT: layout} if layout else {})
+
+
+def _shown(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def differences(saved: dict, current: dict) -> dict[str, list[str]]:
-    """part -> the changed fields, as 'key: checkpoint -> now'."""
+    """part -> the changed fields, as 'key: checkpoint -> now' (a digest only where no named
+    field of its part changed)."""
     changed = {}
     for part, now in current.items():
         before = saved.get(part)
-        if before is None:
+        if not isinstance(before, dict):
             continue  # a checkpoint of an older version lacks it: nothing to compare
-        fields = [f"{k}: {before[k]!r} -> {now[k]!r}" for k in sorted(set(before) & set(now))  # fields both record
-                  if before[k] != now[k]]
+        keys = [k for k in now if k in before and before[k] != now[k]]  # fields both record, in their order
+        named = [k for k in keys if k not in DIGESTS]
+        fields = [f"{k}: {_shown(before[k])} -> {_shown(now[k])}" for k in (named or keys)]
         if fields:
             changed[part] = fields
     return changed
@@ -75,6 +110,48 @@ def differences(saved: dict, current: dict) -> dict[str, list[str]]:
 
 class ProvenanceMismatch(ValueError):
     """A resume would continue a different training than the checkpoint's."""
+
+
+def check_ranks_agree(current: dict, topo, group) -> None:
+    """Every rank read the same data, target, tokenizer and drafter (node-local disks: each node
+    reads its own copies). Collective over `group`; raises naming the part and the ranks."""
+    if not topo.distributed:
+        return
+    mine = {part: _digest(value) for part, value in current.items()}
+    every = [None] * topo.world_size
+    dist.all_gather_object(every, mine, group=group)
+    differ = {part: [rank for rank, theirs in enumerate(every) if theirs[part] != every[topo.drafter_ranks[0]][part]]
+              for part in mine}
+    differ = {part: ranks for part, ranks in differ.items() if ranks}
+    if differ:
+        parts = "; ".join(f"{part} on ranks {ranks}" for part, ranks in differ.items())
+        raise ProvenanceMismatch(f"ranks read different inputs than the main drafter rank {topo.drafter_ranks[0]}: "
+                                 f"{parts} (on several nodes, each needs the same target and data.train files)")
+
+
+def _count_changed(saved: dict, current: dict) -> bool:
+    return saved.get("data", {}).get("num_samples") != current["data"]["num_samples"] and "data" in saved
+
+
+def refusal(changed: dict[str, list[str]], refused: list[str], allowed: tuple[str, ...], count_changed: bool) -> str:
+    """The refusal's text: each refused part's fields, then what to do (an `allow_changed` value
+    only when it would let the resume go on)."""
+    lines = ["resume: this run differs from the checkpoint's:"]
+    lines += [f"  {part}: {'; '.join(changed[part])}" for part in refused]
+    fixed = [part for part in refused if part not in RESUME_CHANGEABLE]
+    if "data" in refused and count_changed:
+        lines.append("the sample count cannot change on resume (the data cursor walks that many samples): "
+                     "data.train, its content, data.max_samples, data.max_len or data.min_loss_tokens changed; "
+                     "resume with the checkpoint's data, or start a new run in a new train.out_dir")
+        fixed.append("data")
+    order = [part for part in fixed if part != "data"]
+    if order:
+        lines.append(f"{', '.join(order)} cannot change on resume (the sequence of global batches depends on "
+                     "it): use the checkpoint's values")
+    if not fixed:
+        value = ",".join(dict.fromkeys(list(allowed) + refused))
+        lines.append(f"to resume anyway, knowingly: train.allow_changed={value}")
+    return "\n".join(lines)
 
 
 class Provenance:
@@ -92,19 +169,14 @@ class Provenance:
             return
         self.checked = True
         changed = differences(saved, self.current)
-        refused = {part: fields for part, fields in changed.items() if part not in self.allow_changed}
-        if "data" in changed and saved["data"].get("num_samples") != self.current["data"]["num_samples"]:
-            refused["data"] = changed["data"] + ["the sample count cannot change (the data cursor counts "
-                                                 "steps of that data); only their content, knowingly"]
+        layout = changed.pop(LAYOUT, None)
+        count_changed = _count_changed(saved, self.current)
+        refused = [part for part in changed
+                   if part not in self.allow_changed or (part == "data" and count_changed)]
         if refused:
-            lines = [f"  {part}: {'; '.join(fields)}" for part, fields in refused.items()]
-            fixable = [part for part in refused if part in RESUME_CHANGEABLE and part not in self.allow_changed]
-            hint = (f"to resume anyway, knowingly: train.allow_changed={','.join(fixable)}" if fixable else "")
-            fixed = [part for part in refused if part not in RESUME_CHANGEABLE]
-            if fixed:
-                hint += ("; " if hint else "") + (f"{', '.join(fixed)} cannot change on resume (the sequence of "
-                                                  "global batches depends on it): use the checkpoint's values")
-            raise ProvenanceMismatch("resume: this run differs from the checkpoint's:\n" + "\n".join(lines)
-                                     + f"\n{hint}")
+            raise ProvenanceMismatch(refusal(changed, refused, self.allow_changed, count_changed))
         for part, fields in changed.items():
             self.log(f"WARNING resume: {part} changed since the checkpoint (train.allow_changed): {'; '.join(fields)}")
+        if layout:
+            self.log(f"resume: the layout changed since the checkpoint ({'; '.join(layout)}): an elastic resume, "
+                     "the same global batches continue (train.seqs_per_step is split over the new drafter ranks)")

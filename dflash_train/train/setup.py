@@ -7,12 +7,14 @@ with no hidden state.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from dflash_train import atomic, cache
 from dflash_train.config import RunConfig, block_size_of, derived_gamma
 from dflash_train.data.anchors import all_anchors
 from dflash_train.data.dataset import load_samples, prepare_samples, split_held_out
@@ -43,14 +45,15 @@ class Data:
 
 
 def load_data(cfg: RunConfig, topo: Topology, target, layer_ids, spec: TapsSpec, work_dir: Path, log,
-              heartbeat=None) -> Data:
+              heartbeat=None, group=None) -> Data:
     """Samples from shards (offline), from a regenerate + tap pass (one colocated process), or
-    tokenized conversations (prepared once by the main drafter rank)."""
+    tokenized conversations (prepared once by the main drafter rank, read by each node from its
+    own `work_dir`)."""
     if topo.reads_shards:
         return samples_from_shards(cfg, layer_ids, spec, log)
     if taps_from_regeneration(cfg, topo):
         return prepare_tapped(cfg, target, layer_ids, spec, work_dir, log, heartbeat)
-    return Data(*load_or_build_samples(cfg, target, topo, work_dir, log, heartbeat=heartbeat))
+    return Data(*load_or_build_samples(cfg, target, topo, work_dir, log, heartbeat=heartbeat, group=group))
 
 
 def target_subset(cfg: RunConfig, topo: Topology, log) -> TargetSubset | None:
@@ -183,16 +186,51 @@ def data_source_name(cfg: RunConfig, target) -> str:
     return f"{name}|fp8" if cfg.target.precision == "fp8" else name
 
 
-def load_or_build_samples(cfg: RunConfig, target, topo: Topology, work_dir: Path, log, heartbeat=None):
-    """The main drafter rank prepares (and caches) the samples; every other rank waits, then reads."""
+def load_or_build_samples(cfg: RunConfig, target, topo: Topology, work_dir: Path, log, heartbeat=None,
+                          group=None):
+    """The main drafter rank prepares (and caches) the samples in its `work_dir` (it alone may hold
+    the whole target that regenerating needs); every other rank waits, then reads its own node's
+    copy: the same file where the disk is shared, else one received from the main rank
+    (`share_file`)."""
     path = None
     if topo.is_main or not topo.distributed:
         path = prepare_samples(cfg.data, target, data_source_name(cfg, target), work_dir, cfg.train.seed, log, heartbeat)
     if topo.distributed:
-        holder = [str(path) if path else None]
-        dist.broadcast_object_list(holder, src=topo.drafter_ranks[0])
-        path = Path(holder[0])
+        path = share_file(path, work_dir, topo.drafter_ranks[0], group, log)
     return load_samples(path, cfg.data.eval_fraction)
+
+
+SHARE_CHUNK = 64 << 20  # bytes per broadcast when a node receives a file
+
+
+def share_file(path: Path | None, work_dir: Path, src: int, group, log) -> Path:
+    """Rank `src`'s file `path` as a file of this rank's own `work_dir`: the same one where the
+    disk is shared (same name, size and sha256), else sent by `src` over `group` and written once
+    per node (`cache.build_once`). Collective over `group`."""
+    meta = [(path.name, path.stat().st_size, cache.file_sha256(path)) if path is not None else None]
+    dist.broadcast_object_list(meta, src=src, group=group)
+    name, size, sha = meta[0]
+    local = Path(work_dir) / name
+    missing = not (local.is_file() and local.stat().st_size == size and cache.file_sha256(local) == sha)
+    needed = torch.tensor([int(missing)])
+    dist.all_reduce(needed, op=dist.ReduceOp.MAX, group=group)
+    if not needed.item():
+        return local
+    data = torch.empty(size, dtype=torch.uint8)
+    if path is not None:
+        data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+    for start in range(0, size, SHARE_CHUNK):
+        dist.broadcast(data[start:start + SHARE_CHUNK], src=src, group=group)
+    if missing:
+        received = data.numpy().tobytes()
+        if hashlib.sha256(received).hexdigest() != sha:
+            raise RuntimeError(f"{name} from rank {src}: the received bytes do not match its sha256")
+        if local.exists():  # another version of it (a build that is not deterministic): replaced, atomically
+            atomic.write_bytes(local, received)
+        cache.build_once(local, lambda tmp: tmp.write_bytes(received), f"{name} received from rank {src}",
+                         directory=False, log=log)
+        log(f"data: {local} received from rank {src} ({size / 1e6:.1f} MB): this node's disk did not have it")
+    return local
 
 
 def taps_from_regeneration(cfg: RunConfig, topo: Topology) -> bool:

@@ -30,7 +30,10 @@ from dflash_train.train.topology import Topology
 
 class TapsSource(Protocol):
     """A drafter rank's micro-batches with the target's tensors filled in; Stateful (its data
-    cursor, from which the steps already taken follow)."""
+    cursor, from which the steps already taken follow). `step_tokens`: the tokens of the last
+    step's global batch (all drafter ranks' micro-batches), the same whatever the layout."""
+
+    step_tokens: int
 
     def next_step(self) -> tuple[int, list[MicroBatch]]: ...
 
@@ -73,9 +76,12 @@ class SampledSource:
     def __init__(self, feed: Feed, drafter_index: int):
         self.feed, self.sampler, self.index = feed, feed.sampler(), drafter_index
 
+    step_tokens = 0  # tokens in the last step's global batch, on every drafter rank alike
+
     def _draw(self) -> tuple[int, list[list[int]], list[MicroBatch]]:
         epoch, indices = self.sampler.next()
         groups = self.feed.plan.for_drafter(indices, self.index)
+        self.drawn_tokens = sum(min(len(self.feed.samples[i]), self.feed.collate.max_len) for i in indices)
         return epoch, groups, [self.feed.collate([self.feed.samples[i] for i in g], epoch) for g in groups]
 
     def state_dict(self) -> dict:
@@ -92,6 +98,7 @@ class ColocatedSource(SampledSource):
 
     def next_step(self) -> tuple[int, list[MicroBatch]]:
         epoch, _, mbs = self._draw()
+        self.step_tokens = self.drawn_tokens
         for mb in mbs:
             mb.from_target = target_tensors(self.target, self.layer_ids, mb, self.device, self.feed.spec)
         return epoch, mbs
@@ -111,6 +118,7 @@ class StoredSource(SampledSource):
 
     def next_step(self) -> tuple[int, list[MicroBatch]]:
         epoch, groups, mbs = self._draw()
+        self.step_tokens = self.drawn_tokens
         for mb, group in zip(mbs, groups):
             mb.from_target = self.feed.spec.padded([self.rows[i] for i in group], mb.input_ids.shape[1])
         return epoch, mbs
@@ -124,10 +132,11 @@ class StoredSource(SampledSource):
 class RemoteSource(SampledSource):
     """Drafter side of the disaggregated pipeline."""
 
-    def __init__(self, feed: Feed, topo: Topology, device, total_steps: int, prefetch: int = 1):
+    def __init__(self, feed: Feed, topo: Topology, device, total_steps: int, prefetch: int = 1, stop_step=None):
         super().__init__(feed, topo.drafter_index)
         self.topo, self.device, self.prefetch, self.total_steps = topo, device, prefetch, total_steps
-        self.pending = collections.deque()  # (epoch, mbs, works, sampler state after the step)
+        self.stop_step = stop_step or (lambda: None)  # the agreed stop (train/stop.py): no receive beyond it
+        self.pending = collections.deque()  # (epoch, mbs, works, sampler state after the step, tokens)
         self.consumed_state = self.sampler.state_dict()
         self.posted = 0  # never post a receive no target will send
         self.wait_seconds = 0.0
@@ -140,13 +149,14 @@ class RemoteSource(SampledSource):
             senders = self.topo.sender_ranks  # one per target group (= every target rank with groups of 1)
             source = senders[(self.index * self.feed.plan.accum + m) % len(senders)]
             works += [dist.irecv(t, src=source) for t in mb.from_target.values()]
-        self.pending.append((epoch, mbs, works, self.sampler.state_dict()))
+        self.pending.append((epoch, mbs, works, self.sampler.state_dict(), self.drawn_tokens))
         self.posted += 1
 
     def next_step(self) -> tuple[int, list[MicroBatch]]:
-        while len(self.pending) < self.prefetch + 1 and self.posted < self.total_steps:
+        last = min(self.total_steps, self.stop_step() or self.total_steps)
+        while len(self.pending) < self.prefetch + 1 and self.posted < last:
             self._post_next()
-        epoch, mbs, works, state_after = self.pending.popleft()
+        epoch, mbs, works, state_after, self.step_tokens = self.pending.popleft()
         start = time.perf_counter()
         for work in works:
             work.wait()
@@ -176,14 +186,14 @@ class RemoteSource(SampledSource):
 
 
 def build_source(feed: Feed, topo: Topology, target, layer_ids, device, total_steps: int,
-                 stored: tuple[StoredRows, StoredRows] | None) -> TapsSource:
+                 stored: tuple[StoredRows, StoredRows] | None, stop_step=None) -> TapsSource:
     """The taps route of a drafter rank: stored rows when the data came with them, else the
-    target in this process, else the target ranks."""
+    target in this process, else the target ranks (`stop_step()`: the agreed stop, or None)."""
     if stored is not None:
         return StoredSource(feed, topo.drafter_index, *stored)
     if topo.target_in_process:
         return ColocatedSource(feed, topo.drafter_index, target, layer_ids, device)
-    return RemoteSource(feed, topo, device, total_steps)
+    return RemoteSource(feed, topo, device, total_steps, stop_step=stop_step)
 
 
 class TargetServer:

@@ -141,6 +141,12 @@ class Topology:
     def distributed(self) -> bool:
         return self.world_size > 1
 
+    def role(self, rank: int) -> str:
+        """What `rank` does, as messages name it: target, main drafter or drafter."""
+        if rank in self.target_ranks:
+            return "target"
+        return "main drafter" if rank == self.drafter_ranks[0] else "drafter"
+
     def describe(self) -> str:
         if self.mode == "disaggregated" and self.target_group_size > 1:
             how = " pipeline stages" if self.pipeline else ""
@@ -184,6 +190,14 @@ def init_distributed(topo: Topology, device: torch.device, timeout_s: float = 18
     if topo.mode != "disaggregated":
         return dist.group.WORLD
     return dist.new_group(topo.drafter_ranks)
+
+
+def control_group(topo: Topology):
+    """A gloo group of the whole world for the stop protocol (train/stop.py) and for what the main
+    drafter rank shares at start-up (samples, the resume point): CPU tensors, so it never waits on a
+    device nor shares a communicator with taps or gradients. Collective: every rank calls it, right
+    after `init_distributed`; None for a world of one."""
+    return dist.new_group(backend="gloo") if topo.distributed else None
 
 
 def init_target_groups(topo: Topology, device: torch.device) -> DeviceMesh | None:

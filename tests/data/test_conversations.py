@@ -48,7 +48,7 @@ def assistant_texts(messages) -> list[str]:
 
 def test_sharegpt_and_openai_rows_mask_exactly_the_assistant_turns(tmp_path, smollm2_tokenizer):
     convs, bad = read_conversations(str(_write_jsonl(tmp_path / "d.jsonl", [SHAREGPT, OPENAI])))
-    assert bad.total == 0 and [c.id for c in convs] == ["sg-1", "d.jsonl:2"]
+    assert bad.total == 0 and convs[0].id == "sg-1" and convs[1].id.startswith("L2-")
     assert convs[0].messages[0] == {"role": "system", "content": "You are terse."}
     for conv in convs:
         ids, mask = tokenize_conversation(smollm2_tokenizer, conv.messages, max_len=4096)
@@ -124,10 +124,16 @@ def test_each_malformed_row_raises_with_file_line_and_field(tmp_path, row, reaso
     assert e.value.reason == reason
 
 
+def test_a_bad_row_names_the_setting_that_skips_it(tmp_path):
+    path = _write_jsonl(tmp_path / "d.jsonl", [OPENAI, '{"conversations": ['])
+    with pytest.raises(DataError, match=r"d.jsonl:2: bad JSON.*data.skip_bad_rows=true"):
+        read_conversations(str(path))
+
+
 def test_skip_bad_rows_counts_every_reason(tmp_path):
     path = _write_jsonl(tmp_path / "d.jsonl", [OPENAI] + [r[0] for r in BAD_ROWS] + [SHAREGPT])
     convs, bad = read_conversations(str(path), skip_bad_rows=True)
-    assert [c.id for c in convs] == ["d.jsonl:1", "sg-1"]
+    assert convs[0].id.startswith("L1-") and convs[1].id == "sg-1"  # no id field: line and content, not the name
     assert dict(bad.counts) == {"bad_json": 1, "missing_field": 2, "empty_conversation": 1, "role_order": 2,
                                 "non_string_content": 1, "unknown_role": 1}
     assert bad.total == len(BAD_ROWS) and bad.examples[0].startswith("d.jsonl:2: bad JSON")

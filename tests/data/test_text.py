@@ -80,7 +80,7 @@ def test_split_point_and_document_reading(tmp_path):
     with pytest.raises(DataError, match="rows.jsonl:3: field 'text': missing"):
         read_documents(str(rows))
     docs, bad = read_documents(str(rows), skip_bad_rows=True)
-    assert [(d.id, d.text) for d in docs] == [("rows.jsonl:1", "plain"), ("rows.jsonl:2", "q\n\na")]
+    assert [d.text for d in docs] == ["plain", "q\n\na"] and [d.id[:3] for d in docs] == ["L1-", "L2-"]
     assert bad.counts == {"missing_field": 1}
 
 

@@ -29,10 +29,10 @@ def tiny_target_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture
 def contained(monkeypatch, tmp_path):
-    """train() installs SIGTERM/SIGINT handlers and points inductor's cache at the run's parent."""
+    """train() installs SIGTERM/SIGINT/SIGHUP handlers and points inductor's cache at the run's parent."""
     for var in ("TORCHINDUCTOR_CACHE_DIR", "TORCHINDUCTOR_FX_GRAPH_CACHE", "TORCHINDUCTOR_AUTOGRAD_CACHE"):
         monkeypatch.setenv(var, str(tmp_path / "inductor") if var.endswith("DIR") else "1")
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
     yield monkeypatch
     for sig, handler in handlers.items():
         signal.signal(sig, handler)

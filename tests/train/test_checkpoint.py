@@ -2,13 +2,16 @@
 bench/chaos.py: SIGKILL of the main drafter rank during a checkpoint write) is removed at the next
 write, and never taken for a checkpoint."""
 
+import pytest
 import torch
 from transformers import Qwen3Config
 
 from dflash_train.model.config import drafter_config_from_target
 from dflash_train.model.drafter import DFlashDrafter
-from dflash_train.train.checkpoint import Checkpointer, DrafterState, TrainProgress
+from dflash_train.train.checkpoint import (CheckpointDamaged, Checkpointer, DrafterState, NonFiniteWeights,
+                                           TrainProgress)
 from dflash_train.train.optim import MasterWeightAdamW
+from dflash_train.train.topology import Topology
 
 
 def _state() -> DrafterState:
@@ -31,3 +34,114 @@ def test_a_killed_writers_temporary_directory_is_removed_at_the_next_write(tmp_p
     assert sorted(p.name for p in ckpt.root.iterdir()) == ["latest", "step_00000002", "step_00000004"]
     assert "removing .step_00000004.tmp-k1lled" in capsys.readouterr().out
     assert torch.load(ckpt.latest() / "trainer.pt", weights_only=True)["train"]["step"] == 0
+
+
+# --- verified checkpoints (issue 32, defect 2) ----------------------------------------------------
+
+WORLD_OF_ONE = Topology("colocated", world_size=1, rank=0, local_rank=0, num_target_ranks=0)
+
+
+def _progress(step: int) -> TrainProgress:
+    progress = TrainProgress()
+    progress.step = step
+    return progress
+
+
+def _saved(tmp_path, steps=(2, 4), keep_last=5) -> Checkpointer:
+    ckpt = Checkpointer(tmp_path, keep_last=keep_last)
+    for step in steps:
+        ckpt.save(step, _state(), {"train": _progress(step)}, {})
+    return ckpt
+
+
+def _overwrite_middle(path, n=4096) -> None:
+    """n bytes of 0xFF in the middle of `path`, size unchanged (the user's corruption)."""
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(size // 2)
+        f.write(b"\xff" * min(n, size // 2))
+
+
+def test_a_corrupt_latest_is_named_and_the_newest_intact_checkpoint_is_taken(tmp_path, capsys):
+    ckpt = _saved(tmp_path)
+    _overwrite_middle(ckpt.root / "step_00000004" / "drafter" / "model.safetensors")
+    point = ckpt.resume_point(True, WORLD_OF_ONE)
+    assert point.path.name == "step_00000002" and point.trainer["train"]["step"] == 2
+    out = capsys.readouterr().out
+    assert "step_00000004" in out and "drafter/model.safetensors" in out and "checksum" in out
+    assert "resuming from step_00000002" in out
+    assert ckpt.latest().name == "step_00000002"  # the damaged one is set aside, never taken again
+    assert not (ckpt.root / "step_00000004").exists() and any(ckpt.root.glob("damaged/step_00000004*"))
+
+
+@pytest.mark.parametrize("part", ["trainer.pt", "drafter/model.safetensors", "meta.json"])
+def test_a_truncated_file_is_named_with_the_checkpoint_to_resume_from(tmp_path, capsys, part):
+    ckpt = _saved(tmp_path)
+    path = ckpt.root / "step_00000004" / part
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 3])
+    point = ckpt.resume_point(True, WORLD_OF_ONE)
+    assert point.path.name == "step_00000002"
+    out = capsys.readouterr().out
+    assert f"step_00000004/{part}" in out or ("step_00000004" in out and part in out)
+
+
+def test_resume_accepts_a_checkpoint_path_and_refuses_a_damaged_one_offering_an_intact_one(tmp_path):
+    ckpt = _saved(tmp_path)
+    point = ckpt.resume_point(str(ckpt.root / "step_00000002"), WORLD_OF_ONE)
+    assert point.path.name == "step_00000002" and point.trainer["train"]["step"] == 2
+    _overwrite_middle(ckpt.root / "step_00000002" / "trainer.pt")
+    with pytest.raises(CheckpointDamaged, match=r"(?s)step_00000002.*trainer.pt.*train.resume=.*step_00000004"):
+        ckpt.resume_point(str(ckpt.root / "step_00000002"), WORLD_OF_ONE)
+
+
+def test_non_finite_weights_are_never_written(tmp_path):
+    ckpt = _saved(tmp_path, steps=(2,))
+    state = DrafterState(_state().drafter, None)  # no master copies: the weights are what is stored
+    with torch.no_grad():
+        next(state.drafter.parameters()).view(-1)[3] = float("nan")
+    with pytest.raises(NonFiniteWeights, match="non-finite"):
+        ckpt.save(4, state, {"train": _progress(4)}, {}, sim_tau=9.0)
+    assert ckpt.latest().name == "step_00000002" and not (ckpt.root / "step_00000004").exists()
+    assert ckpt.best() is None or ckpt.best().name == "step_00000002"
+
+
+def test_no_checkpoint_at_all_starts_fresh_and_all_damaged_says_so(tmp_path, capsys):
+    assert Checkpointer(tmp_path / "none", keep_last=2).resume_point(True, WORLD_OF_ONE) is None
+    ckpt = _saved(tmp_path, steps=(2,))
+    _overwrite_middle(ckpt.root / "step_00000002" / "trainer.pt")
+    assert ckpt.resume_point(True, WORLD_OF_ONE) is None
+    assert "no intact checkpoint" in capsys.readouterr().out
+
+
+def test_resume_past_a_corrupt_latest_ends_with_the_uninterrupted_weights(tiny_qwen3_dir, tmp_path, contained,
+                                                                           capsys):
+    """The user's case: 4 KiB of 0xFF in latest's drafter weights, then --resume. The damaged
+    checkpoint is named and set aside, the run resumes from the one before, and ends on the
+    uninterrupted run's weights; nothing non-finite is ever written, ranked best or exported."""
+    import shutil
+
+    from golden.loop_golden import golden_config
+    from safetensors.torch import load_file
+
+    from dflash_train.train.loop import train
+
+    def cfg(out, *extra):
+        return golden_config(tiny_qwen3_dir, out, "train.max_steps=4", "train.ckpt_every=2", "train.eval_every=2",
+                             "train.keep_last=2", *extra)
+
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    train(cfg(reference))
+    shutil.copytree(reference, run, symlinks=True)
+    _overwrite_middle(run / "checkpoints" / "step_00000004" / "drafter" / "model.safetensors")
+    capsys.readouterr()
+    result = train(cfg(run, "train.resume=true"))
+    out = capsys.readouterr().out
+    assert "step_00000004" in out and "drafter/model.safetensors" in out and "resuming from step_00000002" in out
+    assert result["steps"] == 4
+    want = load_file(str(reference / "checkpoints" / "step_00000004" / "drafter" / "model.safetensors"))
+    for path in (run / "checkpoints").glob("step_*/drafter/model.safetensors"):
+        assert all(torch.isfinite(t).all() for t in load_file(str(path)).values()), path
+    got = load_file(str(run / "checkpoints" / "step_00000004" / "drafter" / "model.safetensors"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    exported = load_file(str(run / "drafter" / "model.safetensors"))
+    assert all(torch.isfinite(t).all() for t in exported.values())

@@ -65,6 +65,7 @@ def test_resume_with_another_number_of_drafter_ranks_continues_the_same_trajecto
     _rewind(uninterrupted[before], resumed)
     proc = _run(after, tiny_target_dir, resumed, "train.resume=true")
     assert f"resumed from {resumed / 'checkpoints' / f'step_{CKPT:08d}'}" in proc.stdout
+    assert f"the layout changed since the checkpoint (drafter_ranks: {before} -> {after}" in proc.stdout
     got, want = losses(resumed), losses(uninterrupted[after])
     assert sorted(got) == list(range(1, STEPS + 1))
     assert len({round(v, 4) for v in want.values()}) == STEPS  # the loss moves: the comparison is not vacuous

@@ -35,14 +35,20 @@ SCRIPT = textwrap.dedent("""
                                                        num_taps=3))
     opt = MasterWeightAdamW(drafter.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
     ckpt, progress = Checkpointer(disk / "run", keep_last=3), TrainProgress()
-    first = ckpt.save(1, DrafterState(drafter, opt), {"train": progress}, {})
+    for p in drafter.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()  # the Adam moments: trainer.pt is then twice the weights
+    first = ckpt.save(1, DrafterState(drafter, opt), {"train": progress, "optimizer": opt}, {})
     before = {p.relative_to(first): p.read_bytes() for p in first.rglob("*") if p.is_file()}
     free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
-    (disk / "filler").write_bytes(b"0" * (free - 64 * 1024))  # leave 64 KiB: less than a checkpoint
+    room = 64 * 1024  # less than any checkpoint file
+    if sys.argv[2] == "weights":  # room for the drafter's weights, not for the optimizer state after them
+        room = (first / "drafter" / "model.safetensors").stat().st_size + 96 * 1024
+    (disk / "filler").write_bytes(b"0" * (free - room))
     try:
-        ckpt.save(2, DrafterState(drafter, opt), {"train": progress}, {})
+        ckpt.save(2, DrafterState(drafter, opt), {"train": progress, "optimizer": opt}, {})
     except CheckpointWriteError as e:
-        print("ERROR", e)
+        print("ERROR", str(e).replace(chr(10), " "))
     after = {p.relative_to(first): p.read_bytes() for p in first.rglob("*") if p.is_file()}
     print("INTACT", after == before and len(before) > 0)
     print("LATEST", ckpt.latest().name)
@@ -58,17 +64,20 @@ def _unshare() -> list[str] | None:
     return ["unshare", "--user", "--map-root-user", "--mount"] if probe.returncode == 0 else None
 
 
-def test_a_full_disk_fails_the_checkpoint_clearly_and_keeps_the_previous_one(tmp_path):
+@pytest.mark.parametrize("room", ["small", "weights"])
+def test_a_full_disk_fails_the_checkpoint_clearly_and_keeps_the_previous_one(tmp_path, room):
+    """`small`: the drafter's weights do not fit (safetensors fails); `weights`: they do, and
+    torch.save of the optimizer state fails after them (its own error reads `unexpected pos`)."""
     prefix = _unshare()
     if prefix is None:
         pytest.skip("no user+mount namespaces here (unshare --user --mount): cannot mount a small tmpfs")
     disk = tmp_path / "disk"
     disk.mkdir()
-    proc = subprocess.run(prefix + [sys.executable, "-c", SCRIPT, str(disk)], capture_output=True, text=True,
+    proc = subprocess.run(prefix + [sys.executable, "-c", SCRIPT, str(disk), room], capture_output=True, text=True,
                           timeout=300, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in proc.stdout.splitlines() if " " in line)
     assert "step_00000002 not written" in lines["ERROR"] and "No space left on device" in lines["ERROR"]
-    assert "step_00000001 is intact" in lines["ERROR"]
+    assert "step_00000001 is intact" in lines["ERROR"] and "unexpected pos" not in lines["ERROR"]
     assert lines["INTACT"] == "True" and lines["LATEST"] == "step_00000001"
     assert lines["ENTRIES"] == "['latest', 'step_00000001']"  # no temporary directory left behind

@@ -51,6 +51,11 @@ def losses(out: Path) -> dict[int, float]:
     return by_step
 
 
+def tokens(out: Path) -> dict[int, int]:
+    return {r["step"]: r["tokens"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
 @pytest.fixture(scope="module")
 def colocated(tiny_target_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("colocated")
@@ -74,6 +79,7 @@ def test_disaggregated_matches_colocated(colocated, tiny_target_dir, tmp_path, n
         assert got[step] == pytest.approx(loss, rel=1e-4, abs=1e-6), step
     assert len(set(expected.values())) > 1  # the loss moves: the comparison is not vacuous
     assert "balance: a target rank computes" in proc.stdout  # the measured target:drafter ratio
+    assert tokens(tmp_path) == tokens(colocated[0])  # the count is the global batch's, whatever the layout
     assert proc.stdout.count(DRAFTER_RANK_HOLDS) == nproc - 1  # each drafter rank, and no target rank
 
 

@@ -109,3 +109,61 @@ def test_init_from_target_copies_the_factor_a_norm_applies(smollm2_tokenizer):
     torch.testing.assert_close(drafter.layers[0].self_attn.q_norm.weight, 1.0 + last.self_attn.q_norm.weight)
     torch.testing.assert_close(drafter.layers[0].self_attn.q_proj.weight, last.self_attn.q_proj.weight)
     torch.testing.assert_close(drafter.hidden_norm.weight, 1.0 + last.input_layernorm.weight)
+
+
+# --- node-local disks (issue 32, defect 7) ---------------------------------------------------------
+
+def _node(prefix, private, shared, node: int, port: int, target, *extra):
+    """One launcher of a 2-node job (2 processes each: rank 0 the target, ranks 1-3 drafters, rank 1
+    the main one), in its own mount namespace where `shared` shows this node's `private` directory:
+    the two nodes use the same paths and neither sees the other's files."""
+    import subprocess
+    import sys
+
+    from test_pipeline import env
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}", "--nproc-per-node=2",
+           "--master-addr=127.0.0.1", f"--master-port={port}", "--monitor-interval=0.5", "-m", "dflash_train", "train",
+           "--recipe", "tiny", f"target.model={target}", "data.train=chitchat", "data.regenerate=false",
+           "data.max_samples=60", "data.max_len=128", "drafter.num_taps=3", "train.seqs_per_step=3",
+           "train.eval_every=100", "train.ckpt_every=2", "eval.num_prompts=0", "topology.mode=disaggregated",
+           "topology.target_ranks=1", f"train.out_dir={shared}/run", *extra]
+    bind = ["sh", "-c", 'mount --bind "$1" "$2" && shift 2 && exec "$@"', "sh", str(private), str(shared)]
+    return subprocess.Popen(prefix + bind + cmd, env=env(DFLASH_TRAIN_CACHE=f"{shared}/cache", HF_HOME=f"{shared}/hf"),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _two_nodes(prefix, tmp_path, target, *extra):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [_node(prefix, tmp_path / f"node{n}", tmp_path / "shared", n, port, target, *extra) for n in (0, 1)]
+    outs = [p.communicate(timeout=400)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-4000:]
+    return outs
+
+
+@pytest.mark.slow
+def test_each_node_reads_its_own_disk_and_resumes_without_the_main_nodes_files(tiny_target_dir, tmp_path):
+    from test_full_disk import _unshare
+
+    prefix = _unshare()
+    if prefix is None:
+        pytest.skip("no user+mount namespaces here (unshare --user --mount): cannot give each node its own disk")
+    for n in (0, 1):
+        (tmp_path / f"node{n}").mkdir()
+    (tmp_path / "shared").mkdir()
+    node0, node1 = _two_nodes(prefix, tmp_path, tiny_target_dir, "train.max_steps=2")
+    assert "received from rank 1" in node1 and "this node's disk did not have it" in node1
+    received = list((tmp_path / "node1" / "run" / "data").glob("samples-*.jsonl"))
+    built = list((tmp_path / "node0" / "run" / "data").glob("samples-*.jsonl"))
+    assert len(received) == 1 and [p.name for p in built] == [received[0].name]
+    assert received[0].read_bytes() == built[0].read_bytes()
+    assert not (tmp_path / "node1" / "run" / "checkpoints").exists()  # the main drafter rank writes them, on node 0
+    node0, node1 = _two_nodes(prefix, tmp_path, tiny_target_dir, "train.max_steps=4", "train.resume=true")
+    assert "resumed from" in node0 and "dflash-train train: OK (rank 1, drafter, 4 steps)" in node0
+    assert "dflash-train train: OK (rank 3, drafter, 4 steps)" in node1
+    assert (tmp_path / "node0" / "run" / "checkpoints" / "step_00000004").is_dir()
