@@ -157,7 +157,7 @@ class LossConfig:
     `temperature` | mix = (1 - kl_weight) * ce + kl_weight * kl | tv = (1 - tv_weight) * ce + tv_weight *
     total variation to the target's distribution (DSpark's loss). Every kind but ce needs the target's
     final hidden state, which then travels with the taps (and `prepare` stores it in the shards)."""
-    weighting: Literal["decay", "dpace"] = "decay"
+    weighting: Literal["decay", "dpace"] = "dpace"
     """Position weights of the drafted tokens: decay = exp(-i/gamma) (the paper) | dpace = D-PACE (arXiv
     2605.18810): from the drafter's probability of each data token, the expected accepted length's
     gradient weights (train/loss.py). Both are normalised by their sum, so lr keeps its meaning."""
