@@ -285,7 +285,30 @@ def check_engine_view(drafter_dir: Path, d: dict, cfg: DrafterConfig) -> list[Fa
     for key in engine:
         if key not in explicit_missing and engine[key] != trainer[key]:
             out.append(Failure(key, f"the engines read {engine[key]!r}, the trainer {trainer[key]!r}"))
-    return out
+    return out + (_check_rotary(hf, cfg) if "head_dim" not in explicit_missing else [])
+
+
+def engine_rotary_dim(hf) -> int:
+    """The dimensions of each head an engine rotates for this config: head_dim x `partial_rotary_factor`
+    (vLLM's `get_rope(rotary_dim=...)`), the factor read at the top level or, as transformers 5 keeps it,
+    in `rope_parameters` (transformers' own Qwen3 rotary embedding ignores it: no reference here)."""
+    params = getattr(hf, "rope_parameters", None) or {}
+    factor = getattr(hf, "partial_rotary_factor", None) or (params.get("partial_rotary_factor")
+                                                            if isinstance(params, dict) else None) or 1.0
+    return int(hf.head_dim * float(factor))
+
+
+def _check_rotary(hf, cfg: DrafterConfig) -> list[Failure]:
+    """Published pitfall 4 (speculators #613): a partial rotary factor copied from the target makes
+    the engines rotate part of each head while training rotated all of it (`drafter.apply_rope`)."""
+    try:
+        rotated = engine_rotary_dim(hf)
+    except (AttributeError, TypeError, ValueError) as e:
+        return [Failure("partial_rotary_factor", f"unreadable: {e}")]
+    if rotated != cfg.head_dim:
+        return [Failure("partial_rotary_factor", f"the engines rotate {rotated} of each head's {cfg.head_dim} "
+                                                 "dimensions; the drafter was trained rotating all of them")]
+    return []
 
 
 def check_training(cfg: DrafterConfig, trained: DrafterConfig) -> list[Failure]:

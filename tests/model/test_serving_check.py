@@ -320,3 +320,30 @@ def test_dflash2_and_dspark_exports_pass_and_a_missing_engine_key_is_named(tiny_
     (out / "config.json").write_text(json.dumps(config))
     assert field in fields(check_drafter(out, target))
     assert ("DSPARK" if arch == "dspark" else "DFLASH") in serve_instructions(out)
+
+
+def test_pitfall_4_a_partial_rotary_target_trains_and_exports_the_rotation_it_is_served_with(tmp_path):
+    """Published pitfall 4 (speculators #613/#733): a target with partial_rotary_factor 0.25. The
+    drafter rotates the whole head in training (`rope_cos_sin` width = head_dim), its export declares
+    no partial factor, and the engines' rotary embedding built from the saved config rotates exactly
+    that many dimensions; a factor copied into the export is a named failure."""
+    from transformers import Qwen3Config
+
+    from dflash_train.model.drafter import rope_cos_sin
+    from dflash_train.model.engine_view import engine_config
+    from dflash_train.model.serving_check import engine_rotary_dim
+
+    partial = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, vocab_size=97, partial_rotary_factor=0.25)
+    cfg = drafter_config_from_target(partial, num_layers=1, block_size=4, mask_token_id=MASK_ID, num_taps=2)
+    drafter = DFlashDrafter(cfg)
+    drafter.reset_parameters(generator=torch.Generator().manual_seed(0))
+    out = save_zlab(drafter, tmp_path / "d", dtype=torch.float32)
+    trained = rope_cos_sin(torch.arange(3)[None], cfg.head_dim, cfg.rope_theta)[0].shape[-1]
+    assert trained == engine_rotary_dim(engine_config(out)) == 16
+    assert check_drafter(out, None, trained=drafter) == []
+    config = json.loads((out / "config.json").read_text())
+    config["partial_rotary_factor"] = 0.25  # the bug: the target's factor copied into the drafter
+    (out / "config.json").write_text(json.dumps(config))
+    failures = check_drafter(out, None)
+    assert "partial_rotary_factor" in fields(failures) and "4 of each head's 16" in str(failures)

@@ -60,3 +60,24 @@ def test_layer_ids_are_checked():
     for bad in ([], [6], [-1, 2]):
         with pytest.raises(ValueError, match=r"tap layer ids .*in \[0, 6\)"):
             check_layer_ids(bad, 6)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_pitfall_3_taps_of_a_padded_batch_equal_each_row_alone(tiny, side):
+    """Published pitfall 3 (speculators #279: batched hidden-state capture leaked between requests):
+    the taps of rows of different lengths forwarded as one padded batch (the colocated and
+    disaggregated prefill) equal each row's taps at batch 1 at every real position, padded on the
+    right (training's micro-batches) or on the left (generation)."""
+    g = torch.Generator().manual_seed(4)
+    rows = [torch.randint(0, 300, (n,), generator=g) for n in (9, 4, 7)]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        place = slice(0, len(r)) if side == "right" else slice(width - len(r), width)
+        ids[i, place], mask[i, place] = r, 1
+    batched = tiny.taps(ids, mask, [1, 3])
+    for i, r in enumerate(rows):
+        alone = tiny.taps(r[None], None, [1, 3])[0]
+        place = slice(0, len(r)) if side == "right" else slice(width - len(r), width)
+        torch.testing.assert_close(batched[i, place], alone, rtol=1e-5, atol=1e-5)
