@@ -33,6 +33,8 @@ DRAFT_VOCAB = "draft_vocab.json"
 Our eval drafts over them only (`eval.draft_vocab`); JSON, not safetensors, so engines that load every
 *.safetensors of the directory as weights never see it."""
 TRAINED_AGAINST = "trained_against"
+TRAINING_INPUT = "training_input"
+"""dflash_config key recording how prompts were rendered in training (`conversations.chat_record`)."""
 """dflash_config key holding the identity of the target the drafter was trained against."""
 ARCH_KEYS = {key for spec in ARCHITECTURES.values() for key in spec.dflash_keys + tuple(k for k, _ in spec.constants)}
 SCALING_KEYS = set(FIELDS)
@@ -51,7 +53,7 @@ KNOWN_KEYS = {
 
 
 def zlab_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16,
-                     trained_against: dict | None = None) -> dict:
+                     trained_against: dict | None = None, training_input: dict | None = None) -> dict:
     """The config.json of a z-lab DFlash drafter (key order as in the published Qwen3-8B one).
 
     `trained_against` (the target's identity, `TargetInfo.provenance()`) goes into
@@ -97,6 +99,8 @@ def zlab_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16,
     d["dflash_config"].update(extra.pop("dflash_config", {}))
     if trained_against is not None:
         d["dflash_config"][TRAINED_AGAINST] = trained_against
+    if training_input is not None:
+        d["dflash_config"][TRAINING_INPUT] = training_input
     d.update(extra)
     return d
 
@@ -202,11 +206,11 @@ def _write_json(data: dict):
 
 def save_zlab(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
               extra_files: dict | None = None, trained_against: dict | None = None,
-              draft_vocab: torch.Tensor | None = None) -> Path:
+              draft_vocab: torch.Tensor | None = None, training_input: dict | None = None) -> Path:
     """Write config.json + model.safetensors (tensors cast to `dtype`), and DRAFT_VOCAB when
     `draft_vocab` ids are given, atomically."""
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
-    files = {"config.json": _write_json(zlab_config_dict(drafter.config, dtype, trained_against)),
+    files = {"config.json": _write_json(zlab_config_dict(drafter.config, dtype, trained_against, training_input)),
              WEIGHTS: lambda p: save_file(tensors, str(p), metadata={"format": "pt"})}
     if draft_vocab is not None:
         files[DRAFT_VOCAB] = _write_json(draft_vocab_file(draft_vocab))
@@ -312,7 +316,7 @@ def load_draft_vocab(model_dir: str | Path, vocab_size: int) -> torch.Tensor | N
 
 def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, target_model: str | None = None,
                    gguf_file: str | None = None, dtype: torch.dtype = torch.bfloat16, log=print,
-                   draft_vocab: torch.Tensor | None = None) -> Path:
+                   draft_vocab: torch.Tensor | None = None, training_input: dict | None = None) -> Path:
     """The serving artefact: save in z-lab format with the training target recorded in
     `dflash_config.trained_against` (and `draft_vocab`, the ids of its training softmax, as
     DRAFT_VOCAB), then check it as the engines will load it.
@@ -331,7 +335,7 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, target_model: st
         except (FileNotFoundError, OSError, ValueError) as e:
             log(f"export: WARNING: the training target is not recorded and not checked: {e}")
     path = save_zlab(drafter, out_dir, dtype=dtype, trained_against=target.provenance() if target else None,
-                     draft_vocab=draft_vocab)
+                     draft_vocab=draft_vocab, training_input=training_input)
     failures = check_drafter(path, target, trained=drafter)
     if failures:
         raise ServingContractError(path, failures)

@@ -34,7 +34,7 @@ from dflash_train.model.architectures import ARCHITECTURES, arch_of_architecture
 from dflash_train.model.attention import MaskSpec, build_training_masks
 from dflash_train.model.config import DrafterConfig, last_layer_tap_problem, rope_theta_of
 from dflash_train.model.drafter import DFlashDrafter
-from dflash_train.model.hf_format import TRAINED_AGAINST, drafter_config_from_zlab, load_zlab
+from dflash_train.model.hf_format import TRAINED_AGAINST, TRAINING_INPUT, drafter_config_from_zlab, load_zlab
 from dflash_train.model.scaling import Scaling, scale_embeddings, scale_logits, scaling_problems, target_scaling
 from dflash_train.model.target_identity import TargetInfo, safetensors_shapes, serve_note
 
@@ -409,6 +409,19 @@ def _differs(field: str, got: torch.Tensor, want: torch.Tensor, what: str) -> li
     return []
 
 
+def _requests_note(record) -> str:
+    """How requests must be rendered to meet the drafter's training (published pitfall 5), one line."""
+    if not isinstance(record, dict):
+        return ""
+    if record.get("format") == "text":
+        return "  requests: plain text completions (trained on text continuation, no chat template)\n"
+    thinking = record.get("thinking")
+    mode = ("the template's default thinking mode" if thinking is None or not record.get("thinking_read_by_template")
+            else f'chat_template_kwargs {{"enable_thinking": {str(thinking).lower()}}}')
+    return (f"  requests: the target's chat template (sha256 {record.get('chat_template_sha256')}, as trained) with "
+            f"{mode}, as in training\n")
+
+
 def serve_instructions(drafter_dir: str | Path) -> str:
     """Serve commands for an exported drafter, naming the target it was trained against, the engines'
     method for its architecture and the drafted tokens per step (vLLM never reads block_size)."""
@@ -420,7 +433,7 @@ def serve_instructions(drafter_dir: str | Path) -> str:
     rec = dflash.get(TRAINED_AGAINST)
     target = rec["serve"] if isinstance(rec, dict) and rec.get("serve") else "TARGET"
     spec = json.dumps({"method": arch.vllm_method, "model": str(drafter_dir), "num_speculative_tokens": drafted})
-    return (f"serve it with (target: {serve_note(rec)}):\n"
+    return (f"serve it with (target: {serve_note(rec)}):\n{_requests_note(dflash.get(TRAINING_INPUT))}"
             f"  vLLM:   vllm serve {target} --speculative-config '{spec}' --attention-backend flash_attn\n"
             f"  SGLang: python -m sglang.launch_server --model-path {target} --speculative-algorithm "
             f"{arch.sglang_algorithm} --speculative-draft-model-path {drafter_dir} --speculative-num-draft-tokens "

@@ -383,7 +383,7 @@ class Checkpointer:
                 shutil.rmtree(old, ignore_errors=True)
 
 
-def export_checkpoint(checkpoint: Path, out_dir: Path, log, target_cfg) -> Path:
+def export_checkpoint(checkpoint: Path, out_dir: Path, log, target_cfg, training_input: dict | None = None) -> Path:
     """The serving artefact: the chosen checkpoint's drafter in bf16, z-lab format, checked, with the
     checkpoint's draft vocabulary (the ids of its training softmax, `loss.train_vocab`) if it has one.
     Non-finite weights are refused (`NonFiniteWeights`)."""
@@ -392,6 +392,7 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, log, target_cfg) -> Path:
     if bad is not None:
         raise NonFiniteWeights(f"{checkpoint}: the drafter's weight {bad} is non-finite: not exported")
     path = export_drafter(drafter, out_dir / "drafter", target_cfg.model, target_cfg.gguf_file, log=log,
-                          draft_vocab=load_draft_vocab(checkpoint / "drafter", drafter.config.vocab_size))
+                          draft_vocab=load_draft_vocab(checkpoint / "drafter", drafter.config.vocab_size),
+                          training_input=training_input)
     log(f"exported z-lab drafter {path} (from {checkpoint.name})")
     return path

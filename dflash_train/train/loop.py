@@ -12,7 +12,6 @@ same step, which the drafters checkpoint before any rank leaves (train/stop.py).
 from __future__ import annotations
 
 import dataclasses
-import time
 from pathlib import Path
 
 import torch
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 from dflash_train.config import RunConfig
 from dflash_train.data.anchors import anchor_coverage
+from dflash_train.data.conversations import chat_record
 from dflash_train.diagnostics.threads import contention_notice
 from dflash_train.diagnostics.watchdog import Watchdog
 from dflash_train.eval.evaluate import eval_draft_vocab, evaluate_as_served, subset_note
@@ -36,7 +36,7 @@ from dflash_train.train.checkpoint import (Checkpointer, DrafterState, ResumePoi
                                            export_checkpoint, provenance)
 from dflash_train.train.health import BadStepGuard, CompileHealthWatch, FaultPlan, NonFiniteSteps
 from dflash_train.train.loss import LossMix, LossStats, summarize
-from dflash_train.train.metrics import MetricsLog
+from dflash_train.train.metrics import MetricsLog, TokenInterval, fmt_values
 from dflash_train.train.optim import TimeBudget, build_optimizer, param_dtype
 from dflash_train.train.parallel import parallelize, resolve_backend, resolve_compile, use_shared_compile_cache
 from dflash_train.train.provenance import Provenance, check_ranks_agree, fingerprints, layout_of
@@ -292,7 +292,9 @@ def _train_drafter(p: Process, s: Setup) -> dict:
         result["checkpoint"] = str(s.checkpointer.latest())
     elif topo.is_main:
         best = s.checkpointer.intact_best(log)
-        result["export"], result["checkpoint"] = str(export_checkpoint(best, p.out_dir, log, cfg.target)), str(best)
+        record = chat_record(s.target.tokenizer, cfg.data.format, cfg.data.thinking)
+        result["export"] = str(export_checkpoint(best, p.out_dir, log, cfg.target, record))
+        result["checkpoint"] = str(best)
         if cfg.eval.num_prompts > 0 and topo.target_in_process:
             with p.watchdog.stage("real speculative decoding eval"):
                 result.update(_real_eval(cfg, Path(result["export"]), s.target, p.out_dir, log, p.watchdog.beat,
@@ -306,7 +308,7 @@ def _loop(p: Process, s: Setup, t: Training):
     cfg, topo, progress, budget = p.cfg, p.topo, t.progress, t.budget
     metrics = MetricsLog(p.out_dir, s.total_steps, progress.step, topo.is_main, cfg.train.tensorboard)
     health = CompileHealthWatch(s.compiled, s.backend == "flex", progress.step, metrics.above_bar(p.log))
-    timer, interval, last_sim = ComputeTimer(p.device), _Interval(), None
+    timer, interval, last_sim = ComputeTimer(p.device), TokenInterval(), None
     meta = {"config": cfg.to_dict(), "provenance": provenance(topo.world_size), "fingerprints": s.provenance.current}
     budget.start(progress.step, progress.seconds)  # a resumed run continues its time budget
     p.stop.deferring = True
@@ -331,25 +333,6 @@ def _loop(p: Process, s: Setup, t: Training):
             metrics.write(p.vote.message(step, p.topo.role, cfg.train.max_minutes))
     metrics.close()
     return last_sim
-
-
-class _Interval:
-    """Tokens trained since the last logged step, and when that interval began (the logged tok/s)."""
-
-    def __init__(self):
-        self.tokens, self.start = 0, time.perf_counter()
-
-    def add(self, progress, tokens: int) -> None:
-        progress.tokens += tokens
-        self.tokens += tokens
-
-    def rate(self, device: torch.device) -> float:
-        """Tokens per second over the interval, which ends when its GPU work does; then a new one."""
-        if device.type == "cuda":  # the record syncs anyway
-            torch.cuda.synchronize(device)
-        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
-        self.tokens, self.start = 0, time.perf_counter()
-        return rate
 
 
 def _one_step(p: Process, s: Setup, t: Training, timer: ComputeTimer):
@@ -396,7 +379,7 @@ def _held_out_and_checkpoint(p: Process, s: Setup, t: Training, metrics: Metrics
         with p.watchdog.stage("held-out simulated tau"):
             last_sim = simulated_tau(t.drafter, t.held_out, t.ctx)
         metrics.log({"step": step, "seconds": round(t.budget.elapsed(), 1), "eval": last_sim})
-        metrics.write(f"step {step}: held-out simulated tau {last_sim['sim_tau']:.3f}, acc {_fmt(last_sim['acc'])}")
+        metrics.write(f"step {step}: held-out simulated tau {last_sim['sim_tau']:.3f}, acc {fmt_values(last_sim['acc'])}")
     if step % cfg.train.ckpt_every == 0 or final:
         with p.watchdog.stage("checkpoint"), p.watch.holding():
             progress.seconds = t.budget.elapsed()
@@ -468,10 +451,6 @@ def _train_record(step, epoch, stats: LossStats, grad_norm, scheduler, tokens_pe
     return {"step": step, "epoch": epoch, "loss": summary["loss"], "acc": summary["acc"], "sim_tau": summary["sim_tau"],
             "eal": summary["eal"], "grad_norm": float(grad_norm), "lr": scheduler.get_last_lr()[0],
             "tokens_per_s": tokens_per_s}
-
-
-def _fmt(values) -> str:
-    return "[" + " ".join(f"{v:.2f}" for v in values) + "]"
 
 
 def _agree_min(value: int, ctx: StepContext) -> int:

@@ -7,8 +7,10 @@ drops the records past the checkpoint it resumes from, so the file reads as one 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
+import torch
 from tqdm import tqdm
 
 
@@ -93,3 +95,26 @@ def _scalars(record: dict, prefix: str = ""):
                     yield f"{name}/{i + 1}", v
         elif isinstance(value, dict):
             yield from _scalars(value, prefix=f"{name}/")
+
+
+class TokenInterval:
+    """Tokens trained since the last logged step, and when that interval began (the logged tok/s)."""
+
+    def __init__(self):
+        self.tokens, self.start = 0, time.perf_counter()
+
+    def add(self, progress, tokens: int) -> None:
+        progress.tokens += tokens
+        self.tokens += tokens
+
+    def rate(self, device: torch.device) -> float:
+        """Tokens per second over the interval, which ends when its GPU work does; then a new one."""
+        if device.type == "cuda":  # the record syncs anyway
+            torch.cuda.synchronize(device)
+        rate = self.tokens / max(time.perf_counter() - self.start, 1e-9)
+        self.tokens, self.start = 0, time.perf_counter()
+        return rate
+
+
+def fmt_values(values) -> str:
+    return "[" + " ".join(f"{v:.2f}" for v in values) + "]"

@@ -152,3 +152,45 @@ def test_hf_dataset_and_parquet_follow_the_same_rules(tmp_path):
     datasets.Dataset.from_list(bad_rows).to_parquet(str(tmp_path / "bad.parquet"))
     with pytest.raises(DataError, match=r"^bad.parquet:1: field 'messages\[1\].role'"):
         read_conversations(str(tmp_path / "bad.parquet"))
+
+
+THINKING_TEMPLATE = (  # Qwen3's shape: thinking off writes an empty think block into every assistant turn
+    "{% set off = enable_thinking is defined and not enable_thinking %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and off %}"
+    "<think>\n\n</think>\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if off %}<think>\n\n</think>\n{% endif %}{% endif %}")
+
+
+@pytest.mark.parametrize("thinking", [None, True, False])
+def test_pitfall_5_one_template_and_thinking_mode_in_regeneration_training_eval_and_export(
+        smollm2_tokenizer, thinking, tmp_path):
+    """Published pitfall 5 (z-lab #133): the same template and thinking mode everywhere. A template
+    that reads `enable_thinking`: the prompt regeneration feeds the target, the prompt part of a
+    training sample and the eval's prompt are the same token ids for each setting (and thinking off
+    differs from on, so the setting is really applied); the export records it and the serve
+    commands say it."""
+    import copy
+
+    import torch
+
+    from dflash_train.data.conversations import chat_record, prompt_messages, render_chat
+    from dflash_train.eval.evaluate import encode_prompts
+    from dflash_train.model.serving_check import _requests_note
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.chat_template = THINKING_TEMPLATE
+    messages = [{"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]
+    regen = tok(render_chat(tok, prompt_messages(messages), add_generation_prompt=True, thinking=thinking),
+                add_special_tokens=False)["input_ids"]  # what data/regenerate.py and regen_taps.py feed
+    ids, mask = tokenize_conversation(tok, messages, 256, thinking)
+    train_prompt = ids[:list(mask).index(1)]
+    (eval_prompt,) = encode_prompts(tok, [messages], thinking, torch.device("cpu"))
+    assert regen == list(train_prompt) == eval_prompt[0].tolist()
+    off = tok(render_chat(tok, messages[:1], add_generation_prompt=True, thinking=False), add_special_tokens=False)
+    on = tok(render_chat(tok, messages[:1], add_generation_prompt=True, thinking=True), add_special_tokens=False)
+    assert off["input_ids"] != on["input_ids"]
+    record = chat_record(tok, "chat", thinking)
+    assert record["thinking"] is thinking and record["thinking_read_by_template"] and record["chat_template_sha256"]
+    note = _requests_note(record)
+    assert record["chat_template_sha256"] in note
+    assert ('"enable_thinking": false' in note) is (thinking is False)

@@ -34,9 +34,11 @@ TARGET_INIT_STD = 0.2
 # the loss moves in 16 steps (step 1 is clipped: grad norm ~5 > 1). 4 sequences per step in
 # micro-batches of 2 (gradient accumulation 2); ~13 steps per epoch, so 16 steps cross an epoch
 # boundary and the sampler's reshuffle; held-out simulated tau at steps 8 and 16; checkpoints every
-# 6 steps (the resume test).
+# 6 steps (the resume test). The decay weighting the file was recorded with (the default became D-PACE
+# in session 13; decay keeps the trajectory of sessions 1-12 checkable, D-PACE is checked against a
+# naive loop in tests/train/test_loss.py).
 OVERRIDES = (
-    "drafter.init_norm_scale=1.0", "optim.lr=0.02",
+    "drafter.init_norm_scale=1.0", "optim.lr=0.02", "loss.weighting=decay",
     "target.dtype=float32", "data.train=chitchat", "data.regenerate=false", "data.max_samples=96",
     "data.max_len=128", "train.epochs=4", f"train.max_steps={STEPS}", "train.seqs_per_step=4",
     "train.micro_batch=2", "train.log_every=1", "train.eval_every=8", f"train.ckpt_every={CKPT_EVERY}",
