@@ -37,6 +37,7 @@ Conventions:
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass
 from typing import Iterable
@@ -90,15 +91,49 @@ def _sync(device: torch.device) -> None:
 
 
 FEW_ROWS = (2, 4)
-"""Row counts for which `few_row_matmul` beats `F.linear` on the CPU. Measured on the 2-core
-EPYC (AVX, no AVX2; MKL), all 210 SmolLM2 linears, 1 thread: 1 row 196 vs 198 ms (no gain),
-2 rows 328 vs 243, 4 rows 362 vs 242, 8 rows 453 vs 451, 32 rows 841 vs 931 (a loss)."""
+"""Row counts for which `few_row_matmul` may beat `F.linear` on the CPU, where `few_rows_pay` measures
+that it does. On the 2-core EPYC (AVX, no AVX2; MKL), all 210 SmolLM2 linears, 1 thread: 1 row 196 vs
+198 ms (no gain), 2 rows 328 vs 243, 4 rows 362 vs 242, 8 rows 453 vs 451, 32 rows 841 vs 931 (a loss);
+on a 2-core AVX-512 Xeon the 4-row verify took 1.45x as long routed (docs/LOG.md, session 13)."""
 
 
 def few_row_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [n, K] @ weight[N, K].T -> [n, N], computed as (weight @ x.T).T made contiguous: with n of
     2..4, MKL streams the weight once this way round, and packs it first the other way."""
     return (weight @ x.T).T.contiguous()
+
+
+def few_rows_pay(weight: torch.Tensor, rows: int = FEW_ROWS[1], reps: int = 15) -> bool:
+    """Whether `few_row_matmul` beats `F.linear` on this CPU for `rows` rows of `weight`'s shape,
+    measured once per shape and dtype (`_few_rows_pay`): the two orders differ by CPU (an AVX-only
+    EPYC: 2/3 of the time; an AVX-512 Xeon: 1.5x the time, docs/LOG.md session 13)."""
+    return _few_rows_pay(tuple(weight.shape), weight.dtype, rows, reps)
+
+
+@functools.lru_cache(maxsize=None)
+def _few_rows_pay(shape: tuple, dtype: torch.dtype, rows: int, reps: int) -> bool:
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(shape, generator=gen).to(dtype)
+    x = torch.randn(rows, shape[1], generator=gen).to(dtype)
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn(x, weight)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    return best(few_row_matmul) < 0.95 * best(F.linear)
+
+
+def _few_row_mode(model, device: torch.device):
+    """`few_row_linear` on a CPU where it pays for the model's widest linear, else nothing."""
+    if device.type != "cpu":
+        return contextlib.nullcontext()
+    widest = max((m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)), key=lambda w: w.numel(),
+                 default=None)
+    return few_row_linear() if widest is not None and few_rows_pay(widest) else contextlib.nullcontext()
 
 
 class few_row_linear(TorchFunctionMode):
@@ -252,7 +287,8 @@ class DraftHead:
         """Logits [n, V] of slot hidden states [n, H] (n = the drafted tokens), on the weight's device;
         `bias` [n, V] (DSpark's Markov bias) is added before the target's scaling, as in training."""
         slots = slots.to(self.weight.device, self.weight.dtype)
-        if slots.device.type == "cpu" and FEW_ROWS[0] <= slots.shape[0] <= FEW_ROWS[1]:
+        if (slots.device.type == "cpu" and FEW_ROWS[0] <= slots.shape[0] <= FEW_ROWS[1]
+                and few_rows_pay(self.weight, slots.shape[0])):
             scores = few_row_matmul(slots, self.weight)
         else:
             scores = slots @ self.weight.T  # [n, V']
@@ -290,6 +326,7 @@ def draft_block(drafter: DFlashDrafter, ctx: ContextCache, anchor: int, embed_we
     """One block's draft: (tokens [D], q [D, V] the distributions they were drawn from, or None when
     greedy), walked as the drafter's architecture drafts (`DFlashDrafter.propose`)."""
     hidden = draft_hidden(drafter, ctx, anchor, embed_weight, block_size)
+    head = head if isinstance(head, DraftHead) else DraftHead.of(head, scaling=drafter.config.scaling)
     return drafter.propose(hidden[drafter.drafted_offset:], anchor, head, temperature, generator)
 
 
@@ -336,7 +373,7 @@ def _spec_step(target_model, drafter: DFlashDrafter, state: DecodeState, anchor:
     start, device = state.ctx.length, embed_weight.device
     assert state.cache.get_seq_length() == start, "target and drafter caches out of step"
     # the mode sees every torch call (~3 us each on this CPU): only where it reroutes anything
-    with few_row_linear() if device.type == "cpu" else contextlib.nullcontext():
+    with _few_row_mode(target_model, device):
         draft, q = draft_block(drafter, state.ctx, anchor, embed_weight, head, block_size, temperature, generator)
         draft = draft.to(device)  # [D]
         t_logits, taps = _target_forward(target_model, verify_block(anchor, draft), state.cache, taps=layer_ids)

@@ -207,3 +207,24 @@ def test_padded_micro_batches_match_one_sequence_at_a_time(colocated, tiny_targe
     assert sorted(got) == sorted(expected)
     for step, loss in expected.items():
         assert got[step] == pytest.approx(loss, rel=1e-4, abs=1e-6), step
+
+
+@pytest.mark.parametrize("arch", ["dflash2", "dspark"])
+def test_every_architecture_trains_alike_on_two_ranks_and_resumes_exactly(tiny_target_dir, tmp_path, arch):
+    """DFlash 2 and DSpark through the same job as DFlash: two drafter ranks (gloo) give the one-process
+    losses, and a run failed after a checkpoint resumes onto the same trajectory (their extra
+    parameters are in the weights, the optimizer and the gradient sums like every other)."""
+    extra = (f"drafter.arch={arch}", "drafter.block_size=4", "drafter.selector_rank=16", "drafter.markov_rank=16",
+             "train.ckpt_every=2")
+    one = tmp_path / "one"
+    proc = run(1, tiny_target_dir, one, *extra)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    two = tmp_path / "two"
+    failed = run(2, tiny_target_dir, two, *extra, DFLASH_INJECT_FAULT="raise:rank=0:step=3")
+    assert failed.returncode != 0 and (two / "checkpoints" / "step_00000002").is_dir()
+    resumed = run(2, tiny_target_dir, two, *extra, "train.resume=true")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    want, got = losses(one), losses(two)
+    assert sorted(got) == sorted(want) == list(range(1, STEPS + 1))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=1e-5, abs=1e-6), (step, got[step], want[step])
