@@ -26,9 +26,11 @@ def test_tiny_recipe_runs_end_to_end_on_smollm2(tmp_path):
     assert config["dflash_config"]["target_layer_ids"] == [1, 8, 14, 20, 27]  # z-lab ids for 30 layers
     report = json.loads((out / "eval" / "report.json").read_text())
     assert set(report["sets"]) == {"assistant", "chitchat"}
-    # the training softmax's tokens (loss.train_vocab) travel with the export; the eval drafts over them
+    # the training softmax's tokens (loss.train_vocab) travel with the export; the eval's headline drafts
+    # over the whole lm_head (as the engines do) and reports the draft vocabulary's decode beside it
     vocab = json.loads((out / "drafter" / "draft_vocab.json").read_text())["ids"]
-    assert len(vocab) == report["draft_vocab"] >= 4096 and vocab == sorted(vocab)
+    assert report["draft_vocab"] is None and len(vocab) == report["draft_vocab_beside"] >= 4096 and vocab == sorted(vocab)
+    assert all("draft_vocab_figures" in figures for figures in report["sets"].values())
     for checkpoint in (out / "checkpoints").glob("step_*"):  # so that a checkpoint exports the same
         assert json.loads((checkpoint / "drafter" / "draft_vocab.json").read_text())["ids"] == vocab
     for figures in report["sets"].values():  # greedy on a float32 target: speculation must be lossless
