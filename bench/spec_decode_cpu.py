@@ -78,7 +78,7 @@ class Run:
     def staged_step(self, out: dict) -> None:
         """`_spec_step` at temperature 0 with a timer between stages (keep in step with it)."""
         t, d, st, B = self.t, self.d, self.state, self.d.config.block_size
-        with sd.few_row_linear():
+        with sd._few_row_mode(t.model, t.embed_weight.device):  # as `_spec_step`: only where it measures faster
             self._stages(t, d, st, B, out)
 
     def _stages(self, t, d, st, B: int, out: dict) -> None:

@@ -21,8 +21,8 @@ import traceback
 
 from dflash_train import recipes
 from dflash_train.commands import Verdict
-from dflash_train.config import (ConfigError, RunConfig, apply_overrides, describe_type, field_docs, field_types,
-                                 sections, settings)
+from dflash_train.config import ConfigError, RunConfig
+from dflash_train.overrides import apply_overrides, describe_type, field_docs, field_types, sections, settings
 
 COMMANDS = {name: f"dflash_train.commands.{name}" for name in ("train", "eval", "regenerate", "prepare", "doctor",
                                                                   "export", "check", "plan")}

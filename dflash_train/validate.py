@@ -15,7 +15,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflash_train.config import RESUME_CHANGEABLE, ConfigError, RunConfig, allowed_values, block_size_of, settings
+from dflash_train.config import RESUME_CHANGEABLE, ConfigError, RunConfig, block_size_of
+from dflash_train.overrides import allowed_values, settings
 from dflash_train.data.train_spec import parse_train_spec
 from dflash_train.diagnostics.doctor import STAGE_KINDS
 

@@ -12,7 +12,8 @@ import pytest
 
 from dflash_train import cli
 from dflash_train.commands import Alias, Verdict
-from dflash_train.config import ConfigError, RunConfig, allowed_values, field_types, sections
+from dflash_train.config import ConfigError, RunConfig
+from dflash_train.overrides import allowed_values, field_types, sections
 
 
 def printed_config(capsys, *argv: str) -> dict:

@@ -1,6 +1,7 @@
 import pytest
 
-from dflash_train.config import ConfigError, RunConfig, apply_overrides, derived_gamma, field_docs, from_dict
+from dflash_train.config import ConfigError, RunConfig, derived_gamma
+from dflash_train.overrides import apply_overrides, field_docs, from_dict
 
 
 def test_overrides_parse_by_type():

@@ -4,7 +4,8 @@ needs torchao, so it runs everywhere (tests/train/test_fp8.py, the float8 numeri
 
 import pytest
 
-from dflash_train.config import ConfigError, RunConfig, apply_overrides
+from dflash_train.config import ConfigError, RunConfig
+from dflash_train.overrides import apply_overrides
 from dflash_train.validate import precision_problems
 
 

@@ -311,16 +311,6 @@ def draft_head(hidden: torch.Tensor, head: "torch.Tensor | DraftHead", scaling: 
 
 
 @torch.no_grad()
-def draft_logits(drafter: DFlashDrafter, ctx: ContextCache, anchor: int, embed_weight: torch.Tensor,
-                 head: "torch.Tensor | DraftHead", block_size: int) -> torch.Tensor:
-    """Drafter logits [D, V] of the drafting slots of the block [anchor, MASK x (B-1)] at ctx.length,
-    on the lm_head's device (before any previous-token conditioning of the architecture)."""
-    hidden = draft_hidden(drafter, ctx, anchor, embed_weight, block_size)
-    head = head if isinstance(head, DraftHead) else DraftHead.of(head, scaling=drafter.config.scaling)
-    return head(hidden[drafter.drafted_offset:])
-
-
-@torch.no_grad()
 def draft_block(drafter: DFlashDrafter, ctx: ContextCache, anchor: int, embed_weight: torch.Tensor,
                 head: DraftHead, block_size: int, temperature: float, generator=None):
     """One block's draft: (tokens [D], q [D, V] the distributions they were drawn from, or None when

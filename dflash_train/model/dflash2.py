@@ -110,6 +110,7 @@ class DFlash2Drafter(DFlashDrafter):
     def __init__(self, cfg: DrafterConfig):
         super().__init__(cfg)
         self.candidate_selector = CandidateSelector(cfg)
+        self.candidates_per_row = cfg.selector_top_k
 
     @staticmethod
     def make_layer(cfg: DrafterConfig, layer_type: str) -> nn.Module:

@@ -124,6 +124,9 @@ class DFlashDrafter(nn.Module):
     """The first block slot that drafts a token: 1 (slot 0 holds the anchor, DFlash), 0 when the
     anchor's slot drafts too (DSpark). Slot s drafts token anchor + s + 1 - drafted_offset."""
 
+    candidates_per_row = 0
+    """Top-k of each row's logits the loss reports for the architecture's own term (DFlash 2's selector)."""
+
     backbone_prefixes = ("layers.", "fc")
     """Modules the compiled forward runs (the rest, an architecture's head, runs in the eager loss)."""
 
@@ -145,8 +148,7 @@ class DFlashDrafter(nn.Module):
 
     def drafted_rows(self, hidden: torch.Tensor, block_size: int) -> torch.Tensor:
         """The drafting slots' hidden states: [b, N*B, H] -> [b, N, D, H]."""
-        b, q, h = hidden.shape
-        return hidden.view(b, q // block_size, block_size, h)[:, :, self.drafted_offset:]
+        return drafted_rows(hidden, block_size, self.drafted_offset)
 
     def logit_bias(self, prev: torch.Tensor | None, vocab_ids: torch.Tensor | None):
         """A trainable low-rank logit bias on the previous tokens prev [T]: (inputs [T, r], weight [V', r]),
@@ -233,6 +235,12 @@ class DFlashDrafter(nn.Module):
             masks[SLIDING] = inference_mask(cache.length, block_embeds.shape[1], self.config.sliding_window,
                                             block_embeds.device, causal=self.config.window_causal)
         return self.run_layers(block_embeds, cache.kv, block_positions, masks, backend, block_embeds.shape[1])
+
+
+def drafted_rows(hidden: torch.Tensor, block_size: int, offset: int = 1) -> torch.Tensor:
+    """[b, N*B, H] block outputs -> [b, N, B - offset, H], the slots from `offset` on."""
+    b, q, h = hidden.shape
+    return hidden.view(b, q // block_size, block_size, h)[:, :, offset:]  # [b, N, D, H]
 
 
 class ContextCache:

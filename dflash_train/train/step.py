@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from dflash_train.data.anchors import block_inputs, drafted_targets, position_ids
 from dflash_train.model.attention import MaskSpec, PersistentMasks, build_training_masks
 from dflash_train.model.config import DrafterConfig
+from dflash_train.model.drafter import drafted_rows
 from dflash_train.model.logits import LogitTransform
 from dflash_train.model.scaling import scale_embeddings
 from dflash_train.train.batching import MicroBatch, to_device
@@ -70,8 +71,8 @@ class StepContext:
     @functools.cached_property
     def objective(self) -> Objective:
         """Built once per context: the compiled loss guards on it, so it must not be a new object per step."""
-        spec = RowsSpec(self.loss, LogitTransform.of(self.drafter), getattr(self.drafter, "selector_top_k", 0)
-                        if self.drafter.arch == "dflash2" else 0)
+        topk = self.head.candidates_per_row if self.head is not None else 0
+        spec = RowsSpec(self.loss, LogitTransform.of(self.drafter), topk)
         return Objective(spec, self.weighting, self.gamma, self.dpace_alpha, self.chunk_tokens, self.compile_loss,
                          self.head_weight)
 
@@ -107,7 +108,7 @@ def forward_stats(model, batch: dict, ctx: StepContext) -> LossStats:
         hidden = drafter_hidden(model, batch, ctx)
         labels, valid, prev = batch_targets(batch, ctx)
         rows = (ctx.head.drafted_rows(hidden, ctx.block_size) if ctx.head is not None
-                else hidden.view(*labels.shape[:2], ctx.block_size, -1)[:, :, 1:])  # [b, N, D, H]
+                else drafted_rows(hidden, ctx.block_size))  # [b, N, D, H]; no head given: DFlash's slots
         lm_head, vocab_ids = ctx.lm_head_weight, None
         if ctx.train_vocab is not None:
             labels, valid = ctx.train_vocab.map_labels(labels, valid)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dflash_train import cli, recipes
-from dflash_train.config import DataConfig, apply_overrides
+from dflash_train.config import DataConfig
+from dflash_train.overrides import apply_overrides
 from dflash_train.data.rows import DataError
 from dflash_train.data.text import continuation_samples, read_documents, resolve_data_format, split_point
 from dflash_train.train.loop import train

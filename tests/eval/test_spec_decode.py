@@ -21,7 +21,7 @@ def _spec(target, drafter, prompt, n, eos=(), block_size=None, temperature=0.0, 
 
 
 def from_logits(logits_fn):
-    """`draft_block` for a stand-in of `draft_logits`: DFlash's independent draw from those logits."""
+    """`draft_block` from a stand-in for the drafter's logits [D, V]: DFlash's independent draw from them."""
     from dflash_train.model.drafter import DFlashDrafter
 
     def block(drafter, ctx, anchor, embed_weight, head, block_size, temperature, generator=None):
@@ -32,7 +32,7 @@ def from_logits(logits_fn):
 
 
 def oracle_draft(truth: list[int], prompt_len: int, vocab: int, p_right: float, seed: int):
-    """A stand-in for `draft_logits` that proposes the target's true greedy token with probability
+    """A stand-in for the drafter's logits that proposes the target's true greedy token with probability
     p_right (else a wrong one), so steps accept 0..B-1 tokens and every crop path runs."""
     gen = torch.Generator().manual_seed(seed)
 
@@ -203,7 +203,7 @@ def test_sampling_is_seeded_and_runs_on_qwen3(qwen3, prompts):
 
 
 class StubDrafter(torch.nn.Module):
-    """Just enough drafter for `speculative_generate` when `draft_logits` is replaced by a table:
+    """Just enough drafter for `speculative_generate` when `draft_block` is replaced by a table:
     the context cache only stores the taps."""
 
     def __init__(self, block_size: int, mask_token_id: int):

@@ -13,7 +13,8 @@ import math
 from pathlib import Path
 
 from dflash_train import recipes
-from dflash_train.config import RunConfig, apply_overrides
+from dflash_train.config import RunConfig
+from dflash_train.overrides import apply_overrides
 
 GOLDEN_FILE = Path(__file__).with_name("train_loop.json")
 STEPS = 16

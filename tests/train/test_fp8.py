@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 
-from dflash_train.config import ConfigError, RunConfig, apply_overrides
+from dflash_train.config import ConfigError, RunConfig
+from dflash_train.overrides import apply_overrides
 from dflash_train.fp8 import fp8_problem
 from dflash_train.model.config import drafter_config_from_target
 from dflash_train.model.drafter import DFlashDrafter

@@ -11,7 +11,7 @@ from golden.loop_golden import golden_config
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash_train import recipes
-from dflash_train.config import apply_overrides
+from dflash_train.overrides import apply_overrides
 from dflash_train.data.records import Sample
 from dflash_train.train.loop import train
 from dflash_train.train.provenance import (Provenance, ProvenanceMismatch, data_fingerprint, fingerprints,

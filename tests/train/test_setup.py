@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_train.config import apply_overrides
+from dflash_train.overrides import apply_overrides
 from dflash_train.model.target_subset import TargetSubset
 from dflash_train.recipes import tiny
 from dflash_train.train.setup import target_subset
