@@ -25,7 +25,12 @@ class Architecture:
     constants: tuple[tuple[str, object], ...] = ()
     """Fixed keys the engines read, which describe what this trainer's class is (written, and checked)."""
     top_level: bool = False
-    """The keys above also at the top level (vLLM's DSpark reads `config.markov_rank` there)."""
+    """The keys above at the top level of config.json instead of in `dflash_config`: vLLM reads DSpark's
+    keys there only (vllm/model_executor/models/qwen3_dspark.py, spec_decode/dspark/config.py), and its
+    DFlash base class, which DSpark's speculator runs first, refuses a truthy
+    `dflash_config.sample_from_anchor` (v1/worker/gpu/spec_decode/dflash/speculator.py); SGLang reads
+    `markov_rank` and `markov_head_type` from either place and `sample_from_anchor` from the top level
+    only; DeepSeek's DeepSpec exporter writes them all at the top level."""
     also_read: tuple[tuple[str, ...], ...] = ()
     """Other `architectures` lists that name the same drafter."""
     vllm_method: str = "dflash"

@@ -123,19 +123,26 @@ def check_config(d: dict, shapes: dict, target: TargetInfo | None) -> list[Failu
 
 
 def _check_arch_keys(d: dict, dflash: dict) -> list[Failure]:
-    """The architecture's own keys where the engines read them (engine-formats.md): DFlash 2's four
-    in dflash_config (vLLM raises a KeyError without them), DSpark's at the top level too (vLLM reads
-    `config.markov_rank` there, SGLang either), and its constants (vLLM builds only the vanilla head)."""
+    """The architecture's own keys where the engines read them (`Architecture.top_level` says where and
+    why): DFlash 2's four in dflash_config (vLLM raises a KeyError without them), DSpark's at the top
+    level (vLLM reads them nowhere else), and its constants (vLLM builds only the vanilla head). A truthy
+    `dflash_config.sample_from_anchor` is refused for every drafter: vLLM's DFlash speculator, which its
+    DSpark speculator runs first, raises on it (v1/worker/gpu/spec_decode/dflash/speculator.py)."""
+    out = []
+    if dflash.get("sample_from_anchor"):
+        out.append(Failure("dflash_config.sample_from_anchor", "true here: vLLM refuses the drafter "
+                           "('sample_from_anchor=True is not supported for DFlash'); DSpark writes it at the "
+                           "top level, where vLLM and SGLang read it"))
     try:
         spec = ARCHITECTURES[arch_of_architectures(d.get("architectures") or ["DFlashDraftModel"])]
     except ValueError:
-        return []  # named by the architectures check
-    out = []
+        return out  # named by the architectures check
+    where, prefix = (d, "") if spec.top_level else (dflash, "dflash_config.")
     for key in spec.dflash_keys + tuple(k for k, _ in spec.constants):
-        places = [("dflash_config." + key, dflash)] + ([(key, d)] if spec.top_level else [])
-        out += [Failure(name, "missing: the engines read it there") for name, where in places if key not in where]
+        if key not in where:
+            out.append(Failure(prefix + key, "missing: the engines read it there"))
     for key, want in spec.constants:
-        got = [where[key] for _, where in (("", dflash), ("", d)) if key in where]
+        got = [place[key] for place in (dflash, d) if key in place]
         if any(g != want for g in got):
             out.append(Failure(key, f"{got} but this drafter is {want!r}: the engines would build another head"))
     return out

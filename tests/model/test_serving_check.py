@@ -347,3 +347,21 @@ def test_pitfall_4_a_partial_rotary_target_trains_and_exports_the_rotation_it_is
     (out / "config.json").write_text(json.dumps(config))
     failures = check_drafter(out, None)
     assert "partial_rotary_factor" in fields(failures) and "4 of each head's 16" in str(failures)
+
+
+def test_dspark_keys_inside_dflash_config_are_what_vllm_refuses(tiny_qwen3_target, tiny_qwen3_dir, target, tmp_path):
+    """vLLM 0.34's DSpark speculator runs its DFlash base first, which raises when
+    `dflash_config.sample_from_anchor` is truthy (v1/worker/gpu/spec_decode/dflash/speculator.py); its
+    DSpark config reads the DSpark keys at the top level only (spec_decode/dspark/config.py). The export
+    writes them there, and check names both misplacements."""
+    cfg = drafter_config_from_target(tiny_qwen3_target.config, num_layers=2, block_size=4, mask_token_id=MASK_ID,
+                                     num_taps=2, arch="dspark")
+    drafter = build_drafter(dataclasses.replace(cfg, markov_rank=8))
+    drafter.reset_parameters(generator=torch.Generator().manual_seed(0))
+    out = export_drafter(drafter, tmp_path / "ds", str(tiny_qwen3_dir))
+    config = json.loads((out / "config.json").read_text())
+    assert config["sample_from_anchor"] is True and "sample_from_anchor" not in config["dflash_config"]
+    assert check_drafter(out, target, trained=drafter) == []
+    config["dflash_config"]["sample_from_anchor"] = config.pop("sample_from_anchor")  # the old placement
+    (out / "config.json").write_text(json.dumps(config))
+    assert fields(check_drafter(out, target)) == {"dflash_config.sample_from_anchor", "sample_from_anchor"}
