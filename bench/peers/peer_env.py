@@ -18,7 +18,9 @@ import importlib.util
 import sys
 import types
 
-PIPELINE_ONLY = ("openai", "httpx", "aiohttp", "loguru", "typer", "click", "psutil")
+PIPELINE_ONLY = ("openai", "httpx", "aiohttp", "loguru", "typer", "click", "psutil", "datasets")
+"""`datasets`: speculators' Arrow reader; dflash_train needs it only to read an HF dataset directory as
+`data.train`, which the peer never reads (it takes the run's regenerate + tap cache)."""
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
