@@ -37,6 +37,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path[:0] = [str(HERE), str(REPO)]
 import peer_env  # noqa: E402
+from dflash_train.atomic import write_text  # noqa: E402
 
 LOG_PREFIX = "peer"
 
@@ -338,16 +339,18 @@ def main(argv=None) -> int:
                                "(README.md in this folder)")
         cfg, minutes, out = resolve_config(args)
         summary_path = out / "summary.json"
-        summary = json.loads(summary_path.read_text()) if args.eval_only else train_peer(args, cfg, minutes, out)
+        if args.eval_only:
+            summary = json.loads(summary_path.read_text())
+        else:
+            summary = train_peer(args, cfg, minutes, out)
+            write_text(summary_path, json.dumps(summary, indent=1) + "\n")  # before the eval: --eval-only reads it
         if not args.no_eval:
             report = run_eval(args, out / "checkpoint", out / "eval")
             lines, check = compare(report, Path(args.ours or Path(cfg.train.out_dir) / "eval" / "report.json"))
             for line in lines:
                 log(line)
             summary.update(eval={n: f["tau"] for n, f in report["sets"].items()}, check=check)
-        from dflash_train.atomic import write_text
-
-        write_text(summary_path, json.dumps(summary, indent=1) + "\n")
+            write_text(summary_path, json.dumps(summary, indent=1) + "\n")
     except Exception as e:  # noqa: BLE001 - the verdict line names any failure
         print(f"peer_train: FAILED: {type(e).__name__}: {e}", flush=True)
         return 1
