@@ -21,7 +21,9 @@ The formats, as their writers write them (read from their code, 2026-12):
   output), `mask_token_id`, `num_target_layers`, `num_anchors`, `markov_rank`, `markov_head_type`,
   `enable_confidence_head`, `confidence_head_with_markov` at the top level, RoPE in `rope_parameters`,
   every layer full attention; the frozen `embed_tokens` and `lm_head` copies are saved too (unused: the
-  target's own are).
+  target's own are). Its DFlash is this DSpark with `markov_rank` 0 and no confidence head.
+A DSpark without a Markov or confidence head (both formats allow it) reads as ours with zeros where drafting
+would read them (`_dspark_heads`), said in a note.
 """
 
 from __future__ import annotations
@@ -111,18 +113,14 @@ def _check_speculators(d: dict, source: str) -> str:
     if from_anchor != (kind == "dspark"):
         raise UnsupportedDrafter(source, "sample_from_anchor", f"{from_anchor} on a {kind} drafter: this trainer's "
                                  f"{kind} drafts from the anchor's slot {'only' if kind == 'dspark' else 'never'}")
-    if kind == "dspark" and not d.get("markov_rank", 256):
-        raise UnsupportedDrafter(source, "markov_rank", "0 (no Markov head): this trainer's DSpark has one")
     return kind
 
 
 def _check_deepspec(d: dict, source: str) -> None:
-    _require(d, ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers", "markov_rank"), source)
+    _require(d, ("block_size", "target_layer_ids", "mask_token_id", "num_target_layers"), source)
     if -1 in d["target_layer_ids"]:
         raise UnsupportedDrafter(source, "target_layer_ids", f"{d['target_layer_ids']}: -1 taps the embedding output, "
                                  "which no DFlash drafter of this trainer reads")
-    if not d["markov_rank"]:
-        raise UnsupportedDrafter(source, "markov_rank", "0 (no Markov head): this trainer's DSpark has one")
     if d.get("enable_confidence_head") and d.get("confidence_head_with_markov") is None:
         raise UnsupportedDrafter(source, "confidence_head_with_markov", "missing with enable_confidence_head true")
 
@@ -156,6 +154,22 @@ def _rope_theta(config, source: str, where: str = "") -> float:
 def _check_act(act, source: str, key: str) -> None:
     if act not in (None, "silu"):
         raise UnsupportedDrafter(source, key, f"{act!r}: our drafters' MLP is SwiGLU (silu)")
+
+
+def _dspark_heads(d: dict) -> tuple[dict, tuple[str, ...]]:
+    """Our DSpark's head keys for a checkpoint's, and the heads it lacks, which drafting reads as ours with zeros:
+    no Markov head is a zero bias (rank 1, W2 = 0); no confidence head is never read when drafting; one that
+    reads the hidden state alone is ours with zero weights on the Markov input. (DeepSpec's DFlash is such a
+    DSpark: drafting from the anchor's slot, with neither head.)"""
+    rank = d.get("markov_rank", 256)  # speculators' default; DeepSpec always writes it
+    keys = {"markov_rank": rank or 1, "markov_head_type": d.get("markov_head_type", "vanilla") if rank else "vanilla",
+            "enable_confidence_head": True, "confidence_head_with_markov": True, "sample_from_anchor": True}
+    fills = () if rank else ("markov",)
+    if not d.get("enable_confidence_head", True):
+        fills += ("confidence",)
+    elif not (rank and d.get("confidence_head_with_markov", True)):
+        fills += ("confidence_markov_input",)
+    return keys, fills
 
 
 def _layer_config(d: dict, source: str):
@@ -204,25 +218,27 @@ def _from_speculators(d: dict, source: str, num_target_layers: int | None) -> di
         zlab["is_causal"] = False
     if kind == "dflash2":
         zlab["dflash_config"].update({k: d[k] for k in DFLASH2_FIELDS if k in d})
+    fills = ()
     if kind == "dspark":
-        zlab.update({k: d[k] for k in DSPARK_FIELDS if k in d}, sample_from_anchor=True)
-    return zlab
+        keys, fills = _dspark_heads(d)
+        zlab.update(keys)
+    return zlab, fills
 
 
 def _from_deepspec(d: dict, source: str, num_target_layers: int | None) -> dict:
     _check_deepspec(d, source)
     _check_act(d.get("hidden_act"), source, "hidden_act")
-    zlab = {k: v for k, v in d.items() if k not in ("rope_parameters", "rope_scaling")}
+    zlab = {k: v for k, v in d.items() if k not in ("rope_parameters", "rope_scaling", *DSPARK_FIELDS)}
     zlab["rope_theta"] = _rope_theta(d, source)
     zlab.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
-    zlab["sample_from_anchor"] = True  # DeepSpec's slot k drafts anchor + k + 1 (its label offsets 1..B)
-    return zlab
+    keys, fills = _dspark_heads({**d, "enable_confidence_head": d.get("enable_confidence_head", False)})
+    return {**zlab, **keys}, fills  # DeepSpec's slot k drafts anchor + k + 1 (its label offsets 1..B)
 
 
 def _from_zlab(d: dict, source: str, num_target_layers: int | None) -> dict:
     """Ours and z-lab's: as written, with RoPE read from `rope_parameters` where a transformers 5 writer
     put it there alone."""
-    return {**d, "rope_theta": _rope_theta(d, source)}
+    return {**d, "rope_theta": _rope_theta(d, source)}, ()
 
 
 CONVERTERS = {"zlab": _from_zlab, "speculators": _from_speculators, "deepspec": _from_deepspec}
@@ -230,7 +246,7 @@ CONVERTERS = {"zlab": _from_zlab, "speculators": _from_speculators, "deepspec": 
 
 def zlab_config(d: dict, source: str = "config.json", num_target_layers: int | None = None) -> dict:
     """Any format's config dict converted into the z-lab form `hf_format.drafter_config_from_zlab` reads."""
-    return CONVERTERS[detect_format(d)](d, source, num_target_layers)
+    return CONVERTERS[detect_format(d)](d, source, num_target_layers)[0]
 
 
 def load_drafter(model_dir: str | Path, num_target_layers: int | None = None, device="cpu", dtype=None) -> Loaded:
@@ -240,13 +256,13 @@ def load_drafter(model_dir: str | Path, num_target_layers: int | None = None, de
 
     d, source = read_config(model_dir)
     fmt = detect_format(d)
-    zlab = CONVERTERS[fmt](d, source, num_target_layers)
+    zlab, fills = CONVERTERS[fmt](d, source, num_target_layers)
     try:
         cfg = drafter_config_from_zlab(zlab, source)
     except ValueError as e:  # DrafterConfig's own checks do not know the file
         raise ValueError(str(e) if str(e).startswith(source) else f"{source}: {e}") from None
-    drafter = _with_weights(cfg, Path(model_dir).expanduser(), dtype)
-    return Loaded(drafter.to(device), fmt, _notes(fmt, cfg, d))
+    drafter = _with_weights(cfg, Path(model_dir).expanduser(), dtype, fills)
+    return Loaded(drafter.to(device), fmt, _notes(fmt, cfg, d, fills))
 
 
 def _read_weights(model_dir: Path) -> dict:
@@ -262,13 +278,29 @@ def _read_weights(model_dir: Path) -> dict:
     return tensors
 
 
-def _with_weights(cfg, model_dir: Path, dtype):
+def _filled(tensors: dict, cfg, fills: tuple[str, ...]) -> dict:
+    """The heads a checkpoint lacks, as `_dspark_heads` says drafting reads them: zeros."""
+    import torch
+
+    h, r, v = cfg.hidden_size, cfg.markov_rank, cfg.vocab_size
+    out = dict(tensors)
+    if "markov" in fills:
+        out["markov_head.markov_w1.weight"], out["markov_head.markov_w2.weight"] = torch.zeros(v, r), torch.zeros(v, r)
+    if "confidence" in fills:
+        out["confidence_head.proj.weight"], out["confidence_head.proj.bias"] = torch.zeros(1, h + r), torch.zeros(1)
+    if "confidence_markov_input" in fills and "confidence_head.proj.weight" in out:
+        w = out["confidence_head.proj.weight"]  # [1, H]: the hidden state alone
+        out["confidence_head.proj.weight"] = torch.cat([w, w.new_zeros(1, r)], dim=-1)
+    return out
+
+
+def _with_weights(cfg, model_dir: Path, dtype, fills: tuple[str, ...] = ()):
     """Our drafter of `cfg` holding the directory's weights (the frozen target copies left out)."""
     import torch
 
     from dflash_train.model.architectures import build_drafter
 
-    tensors = {k: v for k, v in _read_weights(model_dir).items() if k not in FROZEN_COPIES}
+    tensors = _filled({k: v for k, v in _read_weights(model_dir).items() if k not in FROZEN_COPIES}, cfg, fills)
     with torch.device("meta"):
         drafter = build_drafter(cfg)
     wanted = drafter.state_dict()
@@ -284,8 +316,11 @@ def _with_weights(cfg, model_dir: Path, dtype):
     return drafter
 
 
-def _notes(fmt: str, cfg, d: dict) -> tuple[str, ...]:
-    notes = []
+def _notes(fmt: str, cfg, d: dict, fills: tuple[str, ...]) -> tuple[str, ...]:
+    notes = [{"markov": "no Markov head in the checkpoint: ours with a zero bias",
+              "confidence": "no confidence head in the checkpoint (drafting reads none)",
+              "confidence_markov_input": "its confidence head reads the hidden state alone: ours with zero weights "
+                                         "on the Markov input"}[f] for f in fills]
     if fmt == "speculators" and SLIDING in cfg.layer_types:
         notes.append(f"speculators trains sliding layers with context back to anchor - {cfg.sliding_window}, we "
                      f"decode with each row's own window of {cfg.sliding_window}: the same while a text is shorter")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from dflash_train.data.anchors import block_inputs, position_ids
@@ -50,8 +50,7 @@ def write_speculators(drafter, out: Path, **override) -> Path:
     if c.arch == "dflash2":
         config.update(conv_kernel_size=c.conv_kernel_size, conv_group_size=c.conv_group_size,
                       selector_rank=c.selector_rank, selector_top_k=c.selector_top_k)
-    config.update(override)
-    return _write(out, config, {k: v.float() for k, v in drafter.state_dict().items()})
+    return _write(out, config, drafter, override)
 
 
 def write_deepspec(drafter, target_config, out: Path, **override) -> Path:
@@ -64,14 +63,20 @@ def write_deepspec(drafter, target_config, out: Path, **override) -> Path:
                   layer_types=["full_attention"] * c.num_layers, mask_token_id=c.mask_token_id,
                   target_layer_ids=list(c.target_layer_ids), num_anchors=512, enable_confidence_head=True,
                   confidence_head_with_markov=True, markov_rank=c.markov_rank, markov_head_type="vanilla")
-    config.update(override)
     gen = torch.Generator().manual_seed(9)
     frozen = {"embed_tokens.weight": torch.randn(c.vocab_size, c.hidden_size, generator=gen),
               "lm_head.weight": torch.randn(c.vocab_size, c.hidden_size, generator=gen)}
-    return _write(out, config, {**{k: v.float() for k, v in drafter.state_dict().items()}, **frozen})
+    return _write(out, config, drafter, override, frozen)
 
 
-def _write(out: Path, config: dict, tensors: dict) -> Path:
+def _write(out: Path, config: dict, drafter, override: dict, extra: dict | None = None) -> Path:
+    """config.json with `override` applied (a None deletes the key) and the drafter's tensors, but for a
+    `drop=(prefixes)` in `override`, and `extra` ones."""
+    drop = override.pop("drop", ())
+    config.update(override)
+    config = {k: v for k, v in config.items() if v is not None or k not in override}  # None: deleted
+    tensors = {k: v.float() for k, v in drafter.state_dict().items() if not k.startswith(tuple(drop))}
+    tensors.update(extra or {})
     out.mkdir(parents=True)
     (out / "config.json").write_text(json.dumps(config, indent=1))
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
@@ -139,6 +144,35 @@ def test_a_deepspec_checkpoint_loads_with_the_same_logits(tmp_path):
     assert_same_drafter(loaded.drafter, drafter)
 
 
+def test_a_deepspec_dflash_is_our_dspark_without_heads(tmp_path):
+    """DeepSpec's DFlash: its DSpark with markov_rank 0 and no confidence head (config/dflash/*.py), drafting
+    from the anchor's slot: ours with a zero Markov bias, the same logits."""
+    drafter = f32_drafter("dspark", seed=6)
+    with torch.no_grad():
+        drafter.markov_head.markov_w2.weight.zero_()  # the reference: no bias
+    out = write_deepspec(drafter, tiny_target_config(), tmp_path / "dflash", markov_rank=0,
+                         enable_confidence_head=False, markov_head_type=None, confidence_head_with_markov=None,
+                         drop=("markov_head.", "confidence_head."))
+    loaded = load_drafter(out)
+    assert loaded.drafter.config.arch == "dspark" and loaded.drafter.config.markov_rank == 1
+    assert any("no Markov head" in n for n in loaded.notes) and any("no confidence head" in n for n in loaded.notes)
+    torch.testing.assert_close(logits(loaded.drafter.double())[0], logits(drafter)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_a_confidence_head_on_the_hidden_state_alone_reads_as_ours(tmp_path):
+    drafter = f32_drafter("dspark", seed=7)
+    h = drafter.config.hidden_size
+    with torch.no_grad():
+        drafter.confidence_head.proj.weight[:, h:] = 0  # the reference: no weight on the Markov input
+    out = write_speculators(drafter, tmp_path / "spec", confidence_head_with_markov=False)
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["confidence_head.proj.weight"] = tensors["confidence_head.proj.weight"][:, :h].contiguous()
+    save_file(tensors, str(out / "model.safetensors"))
+    loaded = load_drafter(out, num_target_layers=8)
+    assert any("hidden state alone" in n for n in loaded.notes)
+    assert_same_drafter(loaded.drafter, drafter)
+
+
 def test_formats_are_told_apart_and_ours_still_load(tmp_path):
     drafter = f32_drafter("dspark", seed=3)
     ours = save_zlab(drafter, tmp_path / "ours", dtype=torch.float32)
@@ -157,7 +191,7 @@ def test_formats_are_told_apart_and_ours_still_load(tmp_path):
     ({"aux_hidden_state_layer_ids": [0, 3, 5]}, "aux_hidden_state_layer_ids"),
     ({"mask_token_id": None}, "mask_token_id"),
     ({"target_hidden_size": 128}, "target_hidden_size"),
-    ({"enable_confidence_head": False}, "enable_confidence_head"),
+    ({"block_size": None}, "block_size"),
 ])
 def test_speculators_settings_our_classes_cannot_run_are_refused_by_file_and_key(change, key, tmp_path):
     out = write_speculators(arch_drafter("dspark"), tmp_path / "spec", **change)
