@@ -203,15 +203,15 @@ def their_step(model, batch: dict, config, optimizers, schedulers, device, recov
     return loss, metrics
 
 
-def progress_line(step: int, planned: int | None, loss, metrics: dict, budget, steps_at_start: int) -> str:
+def progress_line(step: int, planned: int | None, loss, metrics: dict, budget, lr: float) -> str:
     from speculators.train.utils import normalize_counted_metrics
 
     m = normalize_counted_metrics({k: float(v) for k, v in metrics.items()})
     elapsed = budget.elapsed()
-    rate = (step - steps_at_start) / max(elapsed, 1e-9)
+    rate = step / max(elapsed, 1e-9)
     left = (budget.seconds - elapsed) if budget.seconds else ((planned or step) - step) / max(rate, 1e-9)
     extra = " ".join(f"{k} {m[k]:.3f}" for k in ("full_acc", "accept_len", "confidence_loss") if k in m)
-    return (f"step {step}/{planned or '?'} loss {loss.item():.4f} {extra} | {rate:.2f} steps/s, "
+    return (f"step {step}/{planned or '?'} loss {loss.item():.4f} {extra} lr {lr:.2e} | {rate:.2f} steps/s, "
             f"{elapsed:.0f}s elapsed, ETA {max(left, 0):.0f}s")
 
 
@@ -242,7 +242,8 @@ def train(model, loader, config, minutes, max_steps, device, log_every: int) -> 
                 schedulers = their_schedulers(config._replace(max_steps=decided), optimizers, per_epoch, step)
                 log(f"step {step}: {minutes} minutes allow {decided} steps at this rate; their schedule now ends there")
             if step % log_every == 0 or step == 1:
-                log(progress_line(step, budget.steps or cap, loss, metrics, budget, 0))
+                lr = optimizers[0].param_groups[0]["lr"]
+                log(progress_line(step, budget.steps or cap, loss, metrics, budget, lr))
             if step >= (budget.steps or cap) or budget.spent():
                 break
         epoch += 1
