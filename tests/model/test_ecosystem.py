@@ -173,6 +173,20 @@ def test_a_confidence_head_on_the_hidden_state_alone_reads_as_ours(tmp_path):
     assert_same_drafter(loaded.drafter, drafter)
 
 
+def test_a_zlab_config_with_rope_parameters_alone_keeps_its_rope_theta(tmp_path):
+    """transformers 5 writes RoPE into `rope_parameters` only (the z-lab DFlash 2 fixture does): not 1e6."""
+    from dflash_train.model.hf_format import load_zlab
+
+    drafter = f32_drafter("dflash", seed=8)
+    drafter.config = dataclasses.replace(drafter.config, rope_theta=5000.0)
+    out = save_zlab(drafter, tmp_path / "z", dtype=torch.float32)
+    config = json.loads((out / "config.json").read_text())
+    config["rope_parameters"] = {"rope_theta": config.pop("rope_theta"), "rope_type": "default"}
+    (out / "config.json").write_text(json.dumps(config))
+    assert load_zlab(out).config.rope_theta == 5000.0
+    assert_same_drafter(load_drafter(out).drafter, drafter)
+
+
 def test_formats_are_told_apart_and_ours_still_load(tmp_path):
     drafter = f32_drafter("dspark", seed=3)
     ours = save_zlab(drafter, tmp_path / "ours", dtype=torch.float32)
