@@ -10,7 +10,8 @@ its cache of ~1 MB per sample must fit the disk). Points are independent and res
 eval report is done and skipped; one with a checkpoint continues with `--resume` (the trainer's exact resume:
 the minutes already spent carry over); one without starts (its finished data caches are reused). With
 `--deadline`, a point still training when the deadline nears is stopped with SIGTERM, which the trainer
-answers with a checkpoint: run the same command again to go on. `--existing 3.5=runs/gpu` takes a run made
+answers with a checkpoint: run the same command again to go on (on the same machine: the data and checkpoints
+stay in <out>). `--existing 3.5=runs/gpu` takes a run made
 already as a point. A finished point's tap cache is deleted (`--keep-data` keeps it): the next point needs
 the disk.
 
