@@ -299,7 +299,7 @@ class EvalConfig:
     (chat: assistant, chitchat; text format: held-out text of data.train and the embedded prose set)."""
     sim_anchors_per_seq: int = 64
     drafter: str | None = None
-    """z-lab drafter directory the `eval` command measures (ours or a published one)."""
+    """z-lab drafter directory the `eval` command measures (ours or a published one; the speculators and DeepSpec formats too)."""
     block_size: int | None = None
     """`eval` command: decode with this block size instead of the drafter's own."""
     out_dir: str = "dflash-eval"

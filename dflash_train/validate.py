@@ -169,6 +169,15 @@ def _drafter_dir_problems(key: str, value: str | None, draft_vocab: bool = False
     return []
 
 
+def _ecosystem_problems(key: str, value: str | None) -> list[str]:
+    """A z-lab, speculators or DeepSpec drafter config our classes read (model/ecosystem.py; no torch)."""
+    if value is None or not (Path(value).expanduser() / "config.json").is_file():
+        return []  # said by _drafter_dir_problems
+    from dflash_train.model.ecosystem import config_problems
+
+    return [f"{key}={value}: {problem}" for problem in config_problems(value)]
+
+
 def _prompt_set_problems(spec: str | None) -> list[str]:
     """eval.prompts names sets (chitchat, assistant, humaneval, ...) and JSONL paths."""
     # local: the prompt-set module reads the data package (torch, tokenizers); validation stays light
@@ -318,8 +327,9 @@ def _run_input_problems(cfg: RunConfig) -> list[str]:
 
 
 def validate_eval(cfg: RunConfig) -> None:
-    _fail(config_problems(cfg) + _required(cfg, "eval.drafter", "the z-lab drafter directory to measure")
+    _fail(config_problems(cfg) + _required(cfg, "eval.drafter", "the drafter directory to measure")
           + _drafter_dir_problems("eval.drafter", cfg.eval.drafter, draft_vocab=cfg.eval.draft_vocab == "auto")
+          + _ecosystem_problems("eval.drafter", cfg.eval.drafter)
           + target_problems(cfg)
           + _prompt_set_problems(cfg.eval.prompts))
 
