@@ -22,11 +22,11 @@ from dflash_train.train.optim import MasterWeightAdamW
 from dflash_train.train.step import clip_and_step, health_flags, total_grad_norm
 
 LR = 1e-2
-SHAPES = [(16, 24)] * 5 + [(24, 8)] * 3 + [(32, 32)]  # 5 + 3 + 1 matrices of three shapes
+SHAPES = [(16, 24)] * 5 + [(24, 16)] * 3 + [(24, 8)] * 2 + [(32, 32)]  # 8 (wide and tall) + 2 + 1 in three batches
 
 
 class Stack(nn.Module):
-    """Hidden matrices of three shapes (Muon) and a norm (AdamW)."""
+    """Hidden matrices of four shapes in three batches (Muon) and a norm (AdamW)."""
 
     def __init__(self, seed: int = 0):
         super().__init__()
@@ -78,14 +78,15 @@ def _muon_weights(opt: MuonAdamW) -> list[torch.Tensor]:
 
 
 def test_same_shape_matrices_are_orthogonalised_in_one_batch(monkeypatch):
-    """One call of the iteration per shape per step, with every matrix of that shape in it."""
+    """One call of the iteration per shape per step, with every matrix of that shape in it, a tall matrix
+    as its transpose (the 3 [24, 16] join the 5 [16, 24], as down_proj joins gate and up)."""
     calls = []
     real = muon_module.orthogonalise
     monkeypatch.setattr(muon_module, "orthogonalise", lambda x, *a: calls.append(tuple(x.shape)) or real(x, *a))
     model = Stack()
     opt = _optimizer(model, master=True)
     _step(model, opt, 0)
-    assert sorted(calls) == sorted([(5, 16, 24), (3, 24, 8), (1, 32, 32)])
+    assert sorted(calls) == sorted([(8, 16, 24), (2, 8, 24), (1, 32, 32)])
     assert opt.muon.orthogonalised == len(SHAPES)
 
 
@@ -247,6 +248,6 @@ def test_ranks_step_as_one_process_each_orthogonalising_its_share(world, tmp_pat
             weights, count = ranks[r][f"master={master}"]
             assert all(torch.equal(a, b) for a, b in zip(weights, _muon_weights(opt))), (master, r)
             counts.append(count)
-        share = [sum(min(n, max(0, n - r * -(-n // world)), -(-n // world)) for n in (5, 3, 1)) for r in range(world)]
+        share = [sum(min(n, max(0, n - r * -(-n // world)), -(-n // world)) for n in (8, 2, 1)) for r in range(world)]
         assert counts == [STEPS * s for s in share] and sum(counts) == STEPS * len(SHAPES) == opt.muon.orthogonalised
         assert max(counts) < STEPS * len(SHAPES)
