@@ -98,6 +98,9 @@ def config_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"optim.betas={cfg.optim.betas}: both must be in [0, 1)")
     if cfg.optim.muon_ns_steps >= 100:
         problems.append(f"optim.muon_ns_steps={cfg.optim.muon_ns_steps}: must be < 100 (torch.optim.Muon's bound)")
+    if cfg.optim.muon_iteration == "polar_express" and not 1 <= cfg.optim.muon_ns_steps <= 5:
+        problems.append(f"optim.muon_ns_steps={cfg.optim.muon_ns_steps} with optim.muon_iteration=polar_express: "
+                        "must be in 1..5 (the iterations of its published schedule)")
     if cfg.target.layer_ids is not None and (min(cfg.target.layer_ids, default=0) < 0 or not cfg.target.layer_ids):
         problems.append(f"target.layer_ids={cfg.target.layer_ids}: expected non-negative layer indices")
     unknown = [part for part in cfg.train.allow_changed if part not in RESUME_CHANGEABLE]
