@@ -30,6 +30,15 @@ CASES = {  # name: (mix, weighting, top-k, bias, transform)
 }
 
 
+@pytest.fixture(autouse=True)
+def fresh_compile_cache():
+    """Earlier tests compile the same chunk function at other shapes and specs; past dynamo's recompile
+    limit it would run eagerly, which is what this file detects, so each test starts from an empty cache."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 def _problem(dtype=torch.float32, seed=0):
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(ROWS, H, generator=g).to(dtype).requires_grad_(True)
