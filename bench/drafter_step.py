@@ -71,8 +71,9 @@ def parse(argv=None):
     p.add_argument("--fp8-filter", choices=("auto", "all"), default="auto",
                    help="with --precision fp8: which linears convert (train.fp8_filter: auto = torchao's size rule)")
     p.add_argument("--optim", choices=("adamw", "muon"), default="adamw", help="optim.name (default adamw)")
-    p.add_argument("--muon-iteration", choices=("newton_schulz", "polar_express"), default="newton_schulz",
-                   help="optim.muon_iteration: how --optim muon orthogonalises (default newton_schulz, torch's)")
+    p.add_argument("--muon-iteration", choices=("newton_schulz", "polar_express", "gram"),
+                   default=DEFAULTS.optim.muon_iteration,
+                   help=f"optim.muon_iteration: how --optim muon orthogonalises (default {DEFAULTS.optim.muon_iteration})")
     p.add_argument("--muon-ns-steps", type=int, default=DEFAULTS.optim.muon_ns_steps,
                    help=f"optim.muon_ns_steps (default {DEFAULTS.optim.muon_ns_steps})")
     p.add_argument("--micro-batches", type=int, default=1,
@@ -273,7 +274,7 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
     muon = {}
     if a.optim == "muon":
         iterations = a.muon_ns_steps
-        muon["muon_flops"] = C.muon_flops(dcfg, iterations)
+        muon["muon_flops"] = C.muon_flops(dcfg, iterations, a.muon_iteration)
         b.figure("muon_ns_tflop_per_step", muon["muon_flops"] / 1e12,
                  f"{iterations} iterations ({a.muon_iteration}) over the hidden matrices, once per optimizer step")
     b.log(f"drafter {dcfg.num_layers} layers, hidden {dcfg.hidden_size}, taps {dcfg.target_layer_ids}, "

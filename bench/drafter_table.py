@@ -24,9 +24,12 @@ ARMS = {  # name: (extra flags, runs on the old tree too)
     "dflash": ([], True),
     "dspark_kl": (DSPARK + ["--loss", "kl"], False),
     "dspark_tv": (DSPARK + ["--loss", "tv"], False),
-    "dspark_kl_muon": (DSPARK + ["--loss", "kl", "--optim", "muon"], False),
+    "dspark_kl_muon": (DSPARK + ["--loss", "kl", "--optim", "muon"], False),  # the default iteration (gram)
+    "dspark_kl_muon_ns": (DSPARK + ["--loss", "kl", "--optim", "muon", "--muon-iteration", "newton_schulz"], False),
     "dspark_kl_mb8": (DSPARK + ["--loss", "kl", "--micro-batches", "8"], False),
     "dspark_kl_muon_mb8": (DSPARK + ["--loss", "kl", "--optim", "muon", "--micro-batches", "8"], False),
+    "dspark_kl_muon_ns_mb8": (DSPARK + ["--loss", "kl", "--optim", "muon", "--muon-iteration", "newton_schulz",
+                                        "--micro-batches", "8"], False),
     "gpu_recipe": (DSPARK + ["--loss", "tv", "--weighting", "dpace", "--optim", "muon"], False),
 }
 

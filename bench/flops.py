@@ -20,6 +20,9 @@ import json
 import sys
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+MUON_ITERATIONS = ("newton_schulz", "gram")  # polar_express: newton_schulz's FLOPs
+
 # The issue's reference figures (Issue 8), per sequence, paper config.
 ISSUE_DRAFTER_TFLOP = 72.5
 ISSUE_TARGET_TFLOP = 53.1
@@ -137,13 +140,20 @@ def dflash_flops(*, hidden: int, num_heads: int, num_kv_heads: int, head_dim: in
             "tokens": batch * S, "attention_convention": attention}
 
 
-def newton_schulz_flops(shapes, iterations: int = 5) -> float:
-    """FLOPs of Muon's orthogonalisation of matrices `shapes` [(A, B), ...] per optimizer step: per
-    iteration on the short side m <= n, X X^T (2 m^2 n), the quintic's G G (2 m^3) and (.) X (2 m^2 n)."""
+def newton_schulz_flops(shapes, iterations: int = 5, iteration: str = "newton_schulz") -> float:
+    """FLOPs of Muon's orthogonalisation of matrices `shapes` [(A, B), ...] per optimizer step
+    (`optim.muon_iteration`): per iteration on the short side m <= n, X X^T (2 m^2 n), the quintic's
+    G G (2 m^3) and (.) X (2 m^2 n); `gram` runs the Gram form on the wide matrices where it takes
+    fewer FLOPs (5 iterations: 28 m^3 + 8 m^2 n). The one count: train/muon.py `ns_flops`, checked
+    against torch's FlopCounterMode in tests/train/test_muon_step.py."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from dflash_train.train.muon import ns_flops, uses_gram
+
     total = 0.0
     for a, b in shapes:
         m, n = min(a, b), max(a, b)
-        total += iterations * (4 * m * m * n + 2 * m ** 3)
+        total += ns_flops(m, n, iterations, gram=iteration == "gram" and uses_gram(m, n, iterations))
     return total
 
 
@@ -222,6 +232,12 @@ def main(argv=None) -> int:
     print(f"RESULT target_issue_convention_tflop={f['target']['issue_convention'] / 1e12:.4g}")
     print(f"RESULT visible_fraction={f['visible_fraction']:.4g}")
     print(f"RESULT roofline_drafter_tok_s={ISSUE_PEAK_TFLOPS * 1e12 / f['drafter']['train'] * S:.4g}")
+    matrices = drafter_matrix_shapes(shapes["hidden"], shapes["num_heads"], shapes["num_kv_heads"], shapes["head_dim"],
+                                     shapes["intermediate"], shapes["drafter_layers"], len(shapes["tap_layers"]))
+    out["muon_ns_tflop"] = {kind: newton_schulz_flops(matrices, 5, kind) / 1e12 for kind in MUON_ITERATIONS}
+    for kind, tflop in out["muon_ns_tflop"].items():
+        print(f"RESULT muon_ns_tflop_{kind}={tflop:.4g}  # Muon's 5 iterations per optimizer step (>= "
+              f"{tflop / ISSUE_PEAK_TFLOPS * 1e3:.3g} ms at {ISSUE_PEAK_TFLOPS:.0f} TFLOP/s)")
     verdict = "OK"
     if not a.small and shapes == PAPER:
         check = paper_check()

@@ -4,7 +4,8 @@ Each recipe's docstring says how many tokens one optimizer step sees (sequence t
 tokens the loss weighs: anchors x drafted slots per sequence) and why. The count matters most with
 optim.name=muon: Muon's Newton-Schulz costs the same per optimizer step whatever the batch (~101
 TFLOP at the paper's 8B shapes, more than a 1-sequence DSpark step's 36), so the larger the step's
-batch, the smaller its share (docs/PERF.md, issue 37)."""
+batch, the smaller its share (docs/PERF.md, issue 37). Muon's default iteration is the Gram form of
+torch's quintic (`optim.muon_iteration=gram`, config.py says why): ~79.5 TFLOP at those shapes."""
 
 from __future__ import annotations
 

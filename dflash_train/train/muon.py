@@ -6,11 +6,12 @@ Muon takes every trainable 2-D parameter with min(dim) > 1 whose name contains n
 `hidden_projection`); AdamW takes norms, biases, other shapes (a 3-D `base_kernel`), codebooks,
 Markov tables and anything named after the target's embedding or lm_head.
 
-The update is torch.optim.Muon's (momentum 0.95 Nesterov, Newton-Schulz in bf16, torch's
-coefficients, `adjust_lr_fn="match_rms_adamw"`: each matrix's step scaled by 0.2 * sqrt(max(A, B)),
-the RMS of an AdamW update, so one lr and one schedule serve both parts; decoupled weight decay
-lr * muon_weight_decay), with its state_dict layout (a checkpoint of torch's Muon resumes here and
-back), computed as a training step wants it (`Muon`):
+The update is torch.optim.Muon's (momentum 0.95 Nesterov, Newton-Schulz with torch's coefficients:
+in bf16 with `optim.muon_iteration=newton_schulz`, the default `gram` runs the same polynomial in
+another form, below; `adjust_lr_fn="match_rms_adamw"`: each matrix's step scaled by
+0.2 * sqrt(max(A, B)), the RMS of an AdamW update, so one lr and one schedule serve both parts;
+decoupled weight decay lr * muon_weight_decay), with its state_dict layout (a checkpoint of torch's
+Muon resumes here and back), computed as a training step wants it (`Muon`):
 - matrices of one shape are orthogonalised together (a tall one as its transpose, as torch's
   iteration runs it): one batched matmul (bmm) per Newton-Schulz product instead of one matmul per
   matrix (a 5-layer drafter: 4 batches of 5-15 matrices, where torch ran 36 matrices one by one);
@@ -29,9 +30,14 @@ first `muon_ns_steps` of them. Measured here (tests/train/test_muon_step.py, doc
 iterations, the FLOPs of torch's 5, its singular values end in [0.86, 1.14] where torch's quintic
 leaves [0.68, 1.20] (matrices with singular values over 1-2 decades); cut to 4 iterations (one
 fewer) that schedule ends in [0.42, 1.57]: a cheaper iteration needs a schedule made for 4 steps,
-which is not here. The default stays torch's iteration: it is what the team's session-13 A/B
-measured (tau), and it equals torch.optim.Muon's update, the tests' reference.
-
+which is not here.
+`optim.muon_iteration=gram` (the default) runs torch's quintic in its Gram form (`gram_orthogonalise`)
+on every batch where that form takes fewer FLOPs (`uses_gram`: the wide ones, long side > 1.5x the
+short; at the paper shapes gate/up/down, k/v and fc; q and o are square and keep the standard form):
+the same polynomial, 101.3 -> 79.5 TFLOP per step at the paper shapes. Its float16 arithmetic is
+closer to the float64 polynomial than the standard form's bf16, and the CPU golden run's losses follow
+the standard form's within 0.003 over 64 steps (docs/PERF.md 3.7): that is why it is the default;
+`newton_schulz` is torch.optim.Muon's update bit for bit, the tests' reference.
 On CUDA the module's parameters are bf16 (what the matmuls read) and Muon runs on float32 masters,
 as `optim.MasterWeightAdamW` does for the AdamW part: the bf16 weight is the master rounded.
 """
@@ -55,7 +61,7 @@ POLAR_EXPRESS = (  # per iteration (a, b, c); arXiv 2505.16932, modded-nanogpt's
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
 POLAR_EXPRESS_SAFETY = 1.02  # the spectral norm bound's margin for bf16 rounding
-ITERATIONS = ("newton_schulz", "polar_express")
+ITERATIONS = ("newton_schulz", "polar_express", "gram")
 EPS = 1e-7  # torch.optim.Muon's
 
 
@@ -82,8 +88,9 @@ def describe_split(muon: list, adamw: list) -> str:
 
 
 def ns_schedule(iteration: str, ns_steps: int) -> tuple[tuple[tuple[float, float, float], ...], float]:
-    """(coefficients per iteration, norm safety factor) of `optim.muon_iteration` at `muon_ns_steps`."""
-    if iteration == "newton_schulz":
+    """(coefficients per iteration, norm safety factor) of `optim.muon_iteration` at `muon_ns_steps`
+    (`gram` runs torch's coefficients; its form is chosen per batch by `orthogonalise`)."""
+    if iteration in ("newton_schulz", "gram"):
         return (TORCH_COEFFICIENTS,) * ns_steps, 1.0
     if iteration == "polar_express":
         if not 1 <= ns_steps <= len(POLAR_EXPRESS):
@@ -93,20 +100,87 @@ def ns_schedule(iteration: str, ns_steps: int) -> tuple[tuple[tuple[float, float
     raise ValueError(f"optim.muon_iteration={iteration!r}: expected one of {', '.join(ITERATIONS)}")
 
 
-def orthogonalise(updates: torch.Tensor, coefficients, safety: float = 1.0, eps: float = EPS) -> torch.Tensor:
+def orthogonalise(updates: torch.Tensor, coefficients, safety: float = 1.0, eps: float = EPS,
+                  gram: bool = False) -> torch.Tensor:
     """The Newton-Schulz iteration of torch.optim.Muon over a batch: updates [n, A, B] -> bf16 [n, A, B].
     Each matrix is scaled to Frobenius norm <= 1 (spectral norm <= 1), then X <- a X + (b G + c G^2) X
-    with G = X X^T on the short side, one batched matmul per product."""
+    with G = X X^T on the short side, one batched matmul per product. `gram`: the Gram form instead
+    where it takes fewer FLOPs (`uses_gram`), in float16 on CUDA (float32 elsewhere: a CPU's float16
+    matmul runs ~60x slower than its bf16, measured on the team's box)."""
     x = updates.bfloat16()
     tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = x.mT
+    if gram and uses_gram(*x.shape[-2:], len(coefficients)):
+        dtype = torch.float16 if x.is_cuda else torch.float32
+        x = gram_orthogonalise(x, coefficients, safety, eps, dtype).bfloat16()
+        return x.mT if tall else x
     norm = x.norm(dim=(-2, -1), keepdim=True)  # [n, 1, 1]
     x = x / (norm if safety == 1.0 else norm * safety).clamp(min=eps)
     for a, b, c in coefficients:
-        gram = x @ x.mT
-        x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        gram_matrix = x @ x.mT
+        x = torch.baddbmm(x, torch.baddbmm(gram_matrix, gram_matrix, gram_matrix, beta=b, alpha=c), x, beta=a)
     return x.mT if tall else x
+
+
+def gram_restarts(steps: int) -> range:
+    """The iterations before which the Gram form restarts (X <- Q X, R <- X X^T, Q <- I): after every
+    2 iterations, the last run up to 3 long (5 steps: after the 2nd, the published schedule)."""
+    return range(2, steps - 1, 2)
+
+
+def gram_orthogonalise(x: torch.Tensor, coefficients, safety: float = 1.0, eps: float = EPS,
+                       dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """The iteration of `orthogonalise` on the Gram matrix: x [n, m, k] (m <= k) -> [n, m, k] in `dtype`.
+    With R = X X^T and Z = b R + c R^2, one step X <- (a I + Z) X is R <- (a I + Z) R (a I + Z) and
+    Q <- (a I + Z) Q (polynomials in R commute), all [m, m]; X is read at the start, at each restart
+    and at the end (X <- Q X). After Zhang, Amsel, Chen and Dao, "Gram Newton-Schulz" (Dao AI Lab
+    blog and github.com/Dao-AILab/gram-newton-schulz, 2026; DeepSpeed's Muon runs torch's coefficients
+    so): normalised in float32, then float16 (3 more mantissa bits than bf16 at the same speed on a
+    GPU; measured here, the Gram form in bf16 lands farther from the float64 polynomial than the
+    standard form in bf16); restarted (`gram_restarts`) because R, carried by products only, drifts
+    from X X^T: a rounding that makes an eigenvalue r of R slightly negative is multiplied by
+    (a + b r + c r^2)^2 >= a^2 ~ 12 per iteration (b < 0) until R is recomputed from X (without the
+    restart, singular values of 2-2.4 on a 3-decade spectrum: tests/train/test_muon_step.py)."""
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32)  # [n, 1, 1]
+    x = torch.div(x, (norm * safety).clamp(min=eps), out=torch.empty(x.shape, dtype=dtype, device=x.device))
+    restarts = gram_restarts(len(coefficients))
+    r, q = x @ x.mT, None  # [n, m, m]
+    for i, (a, b, c) in enumerate(coefficients):
+        if i in restarts:
+            x = q @ x
+            r, q = x @ x.mT, None
+        z = torch.baddbmm(r, r, r, beta=b, alpha=c)  # b R + c R^2
+        if q is None:
+            q = z.clone()
+            q.diagonal(dim1=-2, dim2=-1).add_(a)  # a I + Z
+        else:
+            q = torch.baddbmm(q, q, z, beta=a)  # a Q + Q Z
+        if i + 1 < len(coefficients) and i + 1 not in restarts:
+            rz = torch.baddbmm(r, r, z, beta=a)  # a R + R Z
+            r = torch.baddbmm(rz, z, rz, beta=a)  # a RZ + Z RZ = (a I + Z) R (a I + Z)
+    return q @ x
+
+
+def ns_flops(short: int, long: int, steps: int, gram: bool = False) -> int:
+    """Matmul FLOPs of orthogonalising one [short, long] matrix (2 m k n per [m, k] x [k, n]): the
+    standard form per iteration X X^T, R R and (.) X; the Gram form as `gram_orthogonalise` runs it."""
+    m, n = short, long
+    if not gram:
+        return steps * (4 * m * m * n + 2 * m ** 3)
+    restarts = gram_restarts(steps)
+    total = 2 * m * m * n + 2 * m * m * n  # R = X X^T at the start, Q X at the end
+    for i in range(steps):
+        total += 4 * m * m * n if i in restarts else 0  # X <- Q X, R <- X X^T
+        total += 2 * m ** 3 if i == 0 or i in restarts else 4 * m ** 3  # R^2; Q Z after the first of a run
+        total += 4 * m ** 3 if i + 1 < steps and i + 1 not in restarts else 0  # R Z, Z (R Z)
+    return total
+
+
+def uses_gram(short: int, long: int, steps: int) -> bool:
+    """Whether `gram` runs a [short, long] batch in the Gram form: when it takes fewer FLOPs (5 steps:
+    28 m^3 + 8 m^2 n against 10 m^3 + 20 m^2 n, i.e. long > 1.5 short)."""
+    return ns_flops(short, long, steps, gram=True) < ns_flops(short, long, steps)
 
 
 def _advance_momentum(grads, bufs, scale, keep, momentum: float) -> None:
@@ -144,6 +218,7 @@ class Muon(torch.optim.Optimizer):
                                       ns_coefficients=TORCH_COEFFICIENTS, eps=EPS, ns_steps=ns_steps,
                                       adjust_lr_fn="match_rms_adamw"))
         self.schedule = ns_schedule(iteration, ns_steps)
+        self.gram = iteration == "gram"
         self.compiled = compiled
         self.rank, self.world, self.group = 0, 1, None
         self.orthogonalised = 0
@@ -181,7 +256,7 @@ class Muon(torch.optim.Optimizer):
             if mine:
                 stacked = self._nesterov([grads[i] for i in mine], [bufs[i] for i in mine], scale, group["momentum"],
                                          tuple(tall[i] for i in mine))
-                ortho = orthogonalise(stacked, *self.schedule)
+                ortho = orthogonalise(stacked, *self.schedule, gram=self.gram)
                 self.orthogonalised += len(mine)
             ortho = self._gathered(ortho, len(index), shape, params[0].device).unbind(0)
             self._apply([params[i] for i in index], None if lows is None else [lows[i] for i in index],
