@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -229,9 +230,10 @@ class Checkpointer:
     `restore` loads them back; `resume_point` finds what to resume from."""
 
     def __init__(self, out_dir: str | Path, keep_last: int):
-        self.root = Path(out_dir) / "checkpoints"
+        self.root = Path(out_dir).absolute() / "checkpoints"
         self.keep_last = max(1, keep_last)
         self.verified: Path | None = None  # the newest checkpoint known intact (written or checked here)
+        self.warnings: list[str] = []  # what the run's verdict must say (every checkpoint damaged: started fresh)
 
     def resume_point(self, resume: bool | str, topo, group=None, log=print) -> ResumePoint | None:
         """The verified checkpoint to resume from (see the module doc), read on the main drafter
@@ -247,11 +249,15 @@ class Checkpointer:
     def _find(self, resume: bool | str, log) -> ResumePoint | None:
         if isinstance(resume, str):
             return self._explicit(Path(resume).expanduser(), log)
-        latest = self.latest()
-        if latest is None:
+        latest, why = self._link("latest")
+        if why:
+            log(f"resume: {self.root / 'latest'} {why}; taking the newest intact checkpoint of this run")
+        candidates = ([latest] if latest else []) + [p for p in self._steps()[::-1] if p != latest]
+        if not candidates:
             log(f"resume: no checkpoint under {self.root}; starting fresh")
             return None
-        for candidate in [latest] + [p for p in self._steps()[::-1] if p != latest]:
+        damaged = []
+        for candidate in candidates:
             point, problems = self._read(candidate)
             if point is not None:
                 if candidate != latest:
@@ -259,8 +265,11 @@ class Checkpointer:
                         "are trained again)")
                     atomic.point_link(self.root / "latest", candidate.name)
                 return point
+            damaged.append(candidate.name)
             log(f"resume: checkpoint {candidate} is damaged: {'; '.join(problems)}; moved to "
                 f"{self._set_aside(candidate)}")
+        self.warnings.append(f"started fresh: every checkpoint under {self.root} was damaged ({', '.join(damaged)}; "
+                             f"kept in {self.root / 'damaged'})")
         log(f"resume: no intact checkpoint under {self.root}; starting fresh")
         return None
 
@@ -292,7 +301,10 @@ class Checkpointer:
         return ResumePoint(path, trainer, weights), []
 
     def _set_aside(self, path: Path) -> Path:
-        """A damaged checkpoint out of the way (kept for inspection, never taken or counted again)."""
+        """A damaged checkpoint of this run out of the way (kept for inspection, never taken or counted
+        again); only a real step directory inside `root` is ever moved (`_steps`, `_link`)."""
+        if path.is_symlink() or path.parent.resolve() != self.root.resolve():
+            raise ValueError(f"{path} is not a checkpoint directory of {self.root}: not moved")
         dest = self.root / "damaged" / f"{path.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         dest.parent.mkdir(parents=True, exist_ok=True)
         path.rename(dest)
@@ -312,12 +324,25 @@ class Checkpointer:
                 state.load_state_dict(point.trainer[name])
 
     def latest(self) -> Path | None:
-        link = self.root / "latest"
-        return link.resolve() if link.exists() else None
+        return self._link("latest")[0]
 
     def best(self) -> Path | None:
-        link = self.root / "best"
-        return link.resolve() if link.exists() else None
+        return self._link("best")[0]
+
+    def _link(self, name: str) -> tuple[Path | None, str]:
+        """(the step directory of this run that link `name` points to, "") or (None, why not): a link
+        that dangles or leads out of `root` (an absolute or `..` target, or through a linked step
+        directory) is never followed, so nothing outside the run is read, moved or pruned."""
+        link = self.root / name
+        if not link.is_symlink():
+            return None, ""
+        target = Path(os.path.normpath(link.parent / os.readlink(link)))
+        inside = target.parent.resolve() == self.root.resolve() and target.name.startswith("step_")
+        if not inside or target.is_symlink():
+            return None, f"points to {target}, outside {self.root}: not followed"
+        if not target.is_dir():
+            return None, f"points to {target.name}, which is missing"
+        return self.root / target.name, ""
 
     def intact_best(self, log=print) -> Path | None:
         """What to export: `best` if intact, else the newest intact checkpoint (said)."""
@@ -356,7 +381,8 @@ class Checkpointer:
         return self.root / name
 
     def _steps(self) -> list[Path]:
-        return sorted(p for p in self.root.glob("step_*") if p.is_dir())
+        """This run's step directories (a link named like one, possibly leading elsewhere, is not)."""
+        return sorted(p for p in self.root.glob("step_*") if p.is_dir() and not p.is_symlink())
 
     def _remove_stale_temporaries(self) -> None:
         """Temporary directories of a writer that died mid-write (a SIGKILL): one process writes
@@ -377,9 +403,9 @@ class Checkpointer:
 
     def _prune(self) -> None:
         """Keep the last `keep_last`, best, latest, and the newest verified checkpoint."""
-        protected = {self.best(), self.latest(), self.verified.resolve() if self.verified else None}
+        protected = {self.best(), self.latest(), self.verified}
         for old in self._steps()[:-self.keep_last]:
-            if old.resolve() not in protected:
+            if old not in protected:
                 shutil.rmtree(old, ignore_errors=True)
 
 

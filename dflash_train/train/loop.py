@@ -287,7 +287,8 @@ def _train_drafter(p: Process, s: Setup) -> dict:
     p.watch.stop()  # (and the main one exports and evaluates alone)
     stopped = p.vote.interruption(p.stop, topo, t.progress.step)
     result = {"role": "drafter", "main": topo.is_main, "steps": t.progress.step, "total_steps": s.total_steps,
-              "tokens": t.progress.tokens, "sim": last_sim, "interrupted": stopped, "out_dir": str(p.out_dir)}
+              "tokens": t.progress.tokens, "sim": last_sim, "interrupted": stopped, "out_dir": str(p.out_dir),
+              "warnings": s.checkpointer.warnings}
     if topo.is_main and stopped:
         result["checkpoint"] = str(s.checkpointer.latest())
     elif topo.is_main:
