@@ -132,10 +132,22 @@ def install_signal_stack_dump(sig: int | None = None, file: TextIO | None = None
     """On `sig` (default SIGUSR1) print every thread's stack to `file` (default stderr); keep running.
 
     Returns False where the signal does not exist (Windows). faulthandler writes from its C handler,
-    so this answers even when the main thread is stuck in native code holding the GIL.
-    """
+    so this answers even when the main thread is stuck in native code holding the GIL. A `file`
+    without a descriptor (a captured stream) falls back to the process's own stderr."""
     sig = sig if sig is not None else getattr(signal, "SIGUSR1", None)
     if sig is None or not hasattr(faulthandler, "register"):
         return False
-    faulthandler.register(sig, file=file if file is not None else sys.stderr, all_threads=True)
-    return True
+    for out in (file if file is not None else sys.stderr, sys.__stderr__):
+        try:
+            faulthandler.register(sig, file=out, all_threads=True)
+            return True
+        except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation: no fileno
+            continue
+    return False
+
+
+def remove_signal_stack_dump(sig: int | None = None) -> None:
+    """Undo `install_signal_stack_dump` (the signal's default action again)."""
+    sig = sig if sig is not None else getattr(signal, "SIGUSR1", None)
+    if sig is not None and hasattr(faulthandler, "unregister"):
+        faulthandler.unregister(sig)
