@@ -31,7 +31,7 @@ ALIASES = (
 def run(cfg) -> str:
     from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
     from dflash_train.eval.evaluate import check_compatible, eval_draft_vocab, evaluate_as_served
-    from dflash_train.model.hf_format import load_zlab
+    from dflash_train.model.hf_format import load_zlab, refuse_non_finite
     from dflash_train.train.setup import resolve_format
 
     e = cfg.eval
@@ -39,6 +39,7 @@ def run(cfg) -> str:
     target = load_configured_target(cfg, check_tokenizer=lambda tok: resolved.append(resolve_format(cfg, tok, print)))
     cfg = resolved[0]
     drafter = load_zlab(e.drafter, device=device_of(cfg), dtype=target.dtype)
+    refuse_non_finite(drafter.state_dict(), e.drafter, "not evaluated (its tau would be meaningless)")
     print(f"eval: drafter {e.drafter}: {drafter.config.num_layers} layers, block size "
           f"{e.block_size or drafter.config.block_size}, taps {list(drafter.config.target_layer_ids)}, "
           f"mask token {drafter.config.mask_token_id}", flush=True)

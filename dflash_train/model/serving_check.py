@@ -60,10 +60,12 @@ class Failure:
 
 
 class ServingContractError(ValueError):
-    def __init__(self, drafter_dir, failures: list[Failure]):
+    def __init__(self, drafter_dir, failures: list[Failure], written: bool = True):
         self.failures = failures
         lines = "\n  ".join(str(f) for f in failures)
-        super().__init__(f"{drafter_dir}: the drafter fails its serving check ({len(failures)} problems):\n  {lines}")
+        where = "" if written else " (checked before it was swapped in: nothing was written there)"
+        super().__init__(f"{drafter_dir}: the drafter fails its serving check{where} ({len(failures)} problems):"
+                         f"\n  {lines}")
 
 
 def check_drafter(drafter_dir: str | Path, target: TargetInfo | None = None,

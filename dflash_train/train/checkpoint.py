@@ -43,7 +43,8 @@ from safetensors import SafetensorError
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dflash_train import atomic
-from dflash_train.model.hf_format import export_drafter, load_draft_vocab, load_zlab, save_zlab
+from dflash_train.model.hf_format import (NonFiniteWeights, export_drafter, is_export, load_draft_vocab,
+                                          load_zlab, non_finite_weights, save_zlab)
 from dflash_train.train.optim import full_precision_weights
 
 
@@ -128,10 +129,8 @@ class DrafterState:
 
 
 def first_non_finite(tensors: dict) -> str | None:
-    for name, tensor in tensors.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            return name
-    return None
+    bad = non_finite_weights(tensors)
+    return bad[0] if bad else None
 
 
 class CheckpointWriteError(OSError):
@@ -142,10 +141,6 @@ class CheckpointWriteError(OSError):
 
 class CheckpointDamaged(ValueError):
     """`train.resume=PATH` names a checkpoint whose files do not match their recorded checksums."""
-
-
-class NonFiniteWeights(ValueError):
-    """The drafter's weights hold a NaN or an infinity: they are never written or exported."""
 
 
 @dataclass
@@ -364,7 +359,7 @@ class Checkpointer:
                                    f"written; {self.latest() or 'no earlier checkpoint'} holds the last finite weights")
         self._remove_stale_temporaries()
         try:
-            with atomic.atomic_dir(self.root / name) as tmp:
+            with atomic.atomic_dir(self.root / name, replaceable=self._is_step_dir) as tmp:
                 model.save(tmp / "drafter")
                 save_trainer(states, tmp / "trainer.pt")
                 record = {"step": step, "sim_tau": sim_tau, **meta, FILES: file_records(tmp)}
@@ -379,6 +374,10 @@ class Checkpointer:
             atomic.point_link(self.root / "best", name)
         self._prune()
         return self.root / name
+
+    def _is_step_dir(self, path: Path) -> bool:
+        """A step directory of this run (retraining a step after an earlier resume writes it again)."""
+        return path.parent == self.root and path.name.startswith("step_") and not path.is_symlink()
 
     def _steps(self) -> list[Path]:
         """This run's step directories (a link named like one, possibly leading elsewhere, is not)."""
@@ -417,8 +416,18 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, log, target_cfg, training
     bad = first_non_finite(drafter.state_dict())
     if bad is not None:
         raise NonFiniteWeights(f"{checkpoint}: the drafter's weight {bad} is non-finite: not exported")
+    _keep_an_unmarked_export(out_dir / "drafter", log)
     path = export_drafter(drafter, out_dir / "drafter", target_cfg.model, target_cfg.gguf_file, log=log,
                           draft_vocab=load_draft_vocab(checkpoint / "drafter", drafter.config.vocab_size),
                           training_input=training_input)
     log(f"exported z-lab drafter {path} (from {checkpoint.name})")
     return path
+
+
+def _keep_an_unmarked_export(path: Path, log) -> None:
+    """The run's drafter/ written by an older version (no export marker): renamed beside it, inside the
+    run directory, so the new export can take its place; nothing is deleted."""
+    if path.is_dir() and not path.is_symlink() and any(path.iterdir()) and not is_export(path):
+        kept = path.with_name(f"{path.name}.before-{time.strftime('%Y%m%d-%H%M%S')}")
+        path.rename(kept)
+        log(f"export: {path} has no export marker (written by an older version, or by hand): kept as {kept}")
