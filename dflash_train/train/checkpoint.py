@@ -28,6 +28,7 @@ import hashlib
 import io
 import json
 import os
+import pickle
 import random
 import shutil
 import subprocess
@@ -131,6 +132,19 @@ class DrafterState:
 def first_non_finite(tensors: dict) -> str | None:
     bad = non_finite_weights(tensors)
     return bad[0] if bad else None
+
+
+def _load_trainer(path: Path) -> dict:
+    """trainer.pt as written by `save_trainer` (plain tensors and containers, weights_only=True). A file
+    torch's safe loader refuses is not one of ours: a ValueError naming it. It is never loaded with
+    weights_only=False, which torch's own message suggests and which would run any code in it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, KeyError, AttributeError, TypeError, IndexError, ImportError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path.name} is not a checkpoint this trainer wrote (torch.load with weights_only=True "
+                         f"refused it: {type(e).__name__}: {first[:160]}); it is not loaded any other way, since "
+                         "that could run code in it") from None
 
 
 class CheckpointWriteError(OSError):
@@ -285,10 +299,10 @@ class Checkpointer:
         if problems:
             return None, [f"{path.name}/{p}" for p in problems]
         try:
-            trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
+            trainer = _load_trainer(path / "trainer.pt")
             weights = load_zlab(path / "drafter", device="cpu", dtype=torch.float32).state_dict()
         except (OSError, RuntimeError, ValueError, SafetensorError, EOFError) as e:  # a checkpoint without records
-            return None, [f"{path.name} unreadable: {type(e).__name__}: {e}"]
+            return None, [f"{path.name} unreadable: {type(e).__name__}: {str(e).splitlines()[0]}"]
         bad = first_non_finite(weights)
         if bad is not None:
             return None, [f"{path.name}/drafter holds non-finite weights ({bad}; written before this check)"]

@@ -212,3 +212,30 @@ def test_every_checkpoint_damaged_starts_fresh_with_a_warning_not_a_plain_ok(tmp
     assert ckpt.resume_point(True, WORLD_OF_ONE) is None
     assert len(ckpt.warnings) == 1 and "step_00000002" in ckpt.warnings[0] and "step_00000004" in ckpt.warnings[0]
     assert "damaged" in ckpt.warnings[0] and "started fresh" in ckpt.warnings[0]
+
+
+def test_a_trainer_file_that_is_not_a_tensor_pickle_is_named_and_never_loaded_unsafely(tmp_path, capsys):
+    """Issue 39: a checkpoint whose trainer.pt is some other pickle (or garbage), with no records to
+    catch it (an older version's meta.json), gave a traceback advising weights_only=False."""
+    import datetime
+    import json
+    import pickle
+
+    ckpt = _saved(tmp_path, steps=(2, 4))
+    step4 = ckpt.root / "step_00000004"
+    meta = json.loads((step4 / "meta.json").read_text())
+    meta.pop("files")  # as an older version wrote it
+    (step4 / "meta.json").write_text(json.dumps(meta))
+    (step4 / "trainer.pt").write_bytes(pickle.dumps({"train": datetime.datetime(2026, 1, 1)}))
+    with pytest.raises(CheckpointDamaged) as refused:
+        ckpt.resume_point(str(step4), WORLD_OF_ONE)
+    assert "trainer.pt is not a checkpoint this trainer wrote" in str(refused.value)
+    assert "weights_only set to False" not in str(refused.value)
+    point = ckpt.resume_point(True, WORLD_OF_ONE)
+    out = capsys.readouterr().out
+    assert point.path.name == "step_00000002" and "trainer.pt is not a checkpoint" in out
+    (ckpt.root / "step_00000002" / "trainer.pt").write_bytes(b"hello world")  # garbage, and no record either
+    meta2 = json.loads((ckpt.root / "step_00000002" / "meta.json").read_text())
+    meta2.pop("files")
+    (ckpt.root / "step_00000002" / "meta.json").write_text(json.dumps(meta2))
+    assert ckpt.resume_point(True, WORLD_OF_ONE) is None and "not a checkpoint" in capsys.readouterr().out
