@@ -47,6 +47,26 @@ class CacheBusy(RuntimeError):
     """Another process holds the lock and the caller asked not to wait."""
 
 
+class NotWritable(OSError):
+    """A directory this program writes cannot be created or written (a read-only HOME, say)."""
+
+    readable = True  # cli.py: the message alone, no traceback
+
+
+def writable_dir(path: Path) -> Path:
+    """`path`, created if missing; a NotWritable naming it and the setting that moves it otherwise."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        root = Path(os.environ.get("DFLASH_TRAIN_CACHE", "~/.cache/dflash-train")).expanduser()
+        inside = path == root or root in path.parents
+        fix = (f"set DFLASH_TRAIN_CACHE to a writable directory (it holds converted GGUF targets and content "
+               f"digests; now {root})" if inside else "choose a writable directory for it")
+        raise NotWritable(f"{path} cannot be created ({e.strerror or type(e).__name__}: {e.filename or path}): {fix}"
+                          ) from None
+    return path
+
+
 def lock_path_of(final: Path) -> Path:
     return final.with_name(f".{final.name}.lock")
 
@@ -67,8 +87,11 @@ def exclusive(lock: Path, describe: str, wait: bool = True, log=print) -> Iterat
     and logs "waiting for <describe> ... pid N, 30 s" at once and every `PROGRESS_EVERY_S`.
     """
     lock = Path(lock)
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    writable_dir(lock.parent)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise NotWritable(f"{lock} cannot be created ({e.strerror}): the directory is not writable") from None
     try:
         t0, next_line = time.monotonic(), 0.0
         while True:
