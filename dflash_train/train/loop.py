@@ -119,6 +119,7 @@ def train(cfg: RunConfig) -> dict:
     watchdog = Watchdog(max(cfg.train.watchdog_seconds, SETUP_WATCHDOG_S), name=f"rank{topo.rank}")
     watchdog.start()
     watch = PeerWatch(topo, stop, log).start(ctl_group)
+    watchdog.explain = watch.stopped_note  # a stall caused by a stopped peer names it
     p = Process(cfg, topo, device, dp_group, ctl_group, target_mesh, out_dir, log, watchdog, stop,
                 StopVote.for_topology(topo, ctl_group, cfg.topology.max_in_flight), watch, faults)
     try:
