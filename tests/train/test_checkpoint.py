@@ -239,3 +239,22 @@ def test_a_trainer_file_that_is_not_a_tensor_pickle_is_named_and_never_loaded_un
     meta2.pop("files")
     (ckpt.root / "step_00000002" / "meta.json").write_text(json.dumps(meta2))
     assert ckpt.resume_point(True, WORLD_OF_ONE) is None and "not a checkpoint" in capsys.readouterr().out
+
+
+def test_resume_with_every_checkpoint_damaged_ends_with_a_warning_verdict(tiny_qwen3_dir, tmp_path, contained, capsys):
+    """Issue 39: both checkpoints damaged ended "starting fresh" with a plain OK verdict."""
+    from golden.loop_golden import OVERRIDES
+
+    from dflash_train import cli
+
+    run = tmp_path / "run"
+    argv = ["train", "--recipe", "tiny", f"target.model={tiny_qwen3_dir}", *OVERRIDES, f"train.out_dir={run}",
+            "train.max_steps=4", "train.ckpt_every=2", "train.eval_every=2", "train.keep_last=2"]
+    assert cli.main(argv) == 0
+    for step in (2, 4):
+        _overwrite_middle(run / "checkpoints" / f"step_0000000{step}" / "trainer.pt")
+    capsys.readouterr()
+    assert cli.main(argv + ["--resume"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("dflash-train train: WARNING started fresh: every checkpoint under")
+    assert "step_00000004, step_00000002" in last and "damaged" in last
