@@ -5,7 +5,8 @@ config tree (dflash_train/config.py); its flags are aliases of config fields (`e
 --target T` is `eval.drafter=D target.model=T`). The config is resolved as recipe, then flags, then
 overrides; validated (dflash_train/validate.py) before anything heavy is loaded; then the command
 runs (dflash_train/commands/). Every command ends with one verdict line, printed here:
-`dflash-train <cmd>: OK ...` (exit 0), `dflash-train <cmd>: INTERRUPTED ...` (exit 3: stopped by a
+`dflash-train <cmd>: OK ...` (exit 0; `WARNING ...` where it went on past something the user must
+know), `dflash-train <cmd>: INTERRUPTED ...` (exit 3: stopped by a
 signal; `train` names the checkpointed step and how to resume) or `dflash-train <cmd>: FAILED:
 <cause>` (exit 2 for a config error, 1 otherwise). Errors written for users (a ValueError, a missing
 file, or an error class with `readable = True`) print their message alone, others a traceback too.
