@@ -16,8 +16,11 @@ Layout of `<out_dir>/checkpoints/step_00000100/`:
 Verified: before anything of a checkpoint is loaded, every file is checked against its recorded
 size and sha256 (`damage`). Resuming (`train.resume=true`) takes the newest intact checkpoint:
 a damaged `latest` is named, moved to `checkpoints/damaged/`, and the one before is taken with a
-line saying so; `train.resume=PATH` takes that checkpoint or refuses it, naming the newest intact
-one. Non-finite weights are never written (`NonFiniteWeights`), so never ranked best or exported.
+line saying so (every one damaged: the run starts fresh and its verdict says so, `warnings`);
+`train.resume=PATH` takes that checkpoint or refuses it, naming the newest intact one. `latest`
+and `best` are followed only to a step directory of this run (`_link`): a link that dangles or
+leads elsewhere is named and the newest intact checkpoint taken, so nothing outside `checkpoints/`
+is ever read, moved or pruned. A trainer.pt is only ever loaded with weights_only=True. Non-finite weights are never written (`NonFiniteWeights`), so never ranked best or exported.
 Only the main drafter rank reads a checkpoint; the others receive it (`resume_point`), so no other
 node needs to see `train.out_dir`.
 """
