@@ -37,7 +37,8 @@ def dflash_flops(*, hidden: int, num_heads: int, num_kv_heads: int, head_dim: in
                  vocab: int, drafter_layers: int, seq_len: int, num_anchors: int, block_size: int,
                  target_layers: int, tap_layers=(1, 9, 17, 25, 33), batch: int = 1,
                  mean_context: float | None = None, attention: str = "visible",
-                 tied_embeddings: bool = False, target_mlp_params: int | None = None) -> dict:
+                 tied_embeddings: bool = False, target_mlp_params: int | None = None,
+                 drafted: int | None = None, teacher: bool = False, markov_rank: int = 0) -> dict:
     """FLOPs of one DFlash drafter train step and of the target prefill that feeds it.
 
     Shapes (the drafter shares the target's width, heads and vocabulary, spec 1.1):
@@ -73,6 +74,13 @@ def dflash_flops(*, hidden: int, num_heads: int, num_kv_heads: int, head_dim: in
     experts, the parameters a token actually runs through (router + top_k experts' gate, up, down),
     so that MFU counts active parameters only.
 
+    The head and loss of other architectures (keys `drafter["arch"]`, `drafter["train_arch"]`; the
+    plain keys keep DFlash's count, the convention of earlier figures): `drafted` = D rows per block
+    through the lm_head (DSpark drafts from every slot: D = B; None: B - 1), `teacher` = the target's
+    logits of every drafted row for a KL/TV loss (forward only, no gradient: 1x), `markov_rank` = r of
+    DSpark's low-rank logit bias e @ M^T [rows, V] (3x: its input and its weight train) and its
+    confidence head [rows, H + r] -> 1 (3x).
+
     Returns a dict of FLOP counts (floats) for `batch` sequences: keys `drafter` (components,
     `fwd`, `train`) and `target` (`per_layer`, `tapped`, `full_decoder`, `issue_convention`),
     plus `visible_fraction` (visible / full grid) and `tokens` (= batch * S).
@@ -103,6 +111,13 @@ def dflash_flops(*, hidden: int, num_heads: int, num_kv_heads: int, head_dim: in
     drafter = {k: v * batch for k, v in fwd.items()}
     drafter["fwd"] = sum(fwd.values()) * batch
     drafter["train"] = sum(v * train_factor[k] for k, v in fwd.items()) * batch
+    rows = N * (B - 1 if drafted is None else drafted)
+    head = {"lm_head": (2 * rows * H * V, 2), "teacher_logits": (2 * rows * H * V if teacher else 0, 1),
+            "markov_bias": (2 * rows * markov_rank * V, 3),
+            "confidence": (2 * rows * (H + markov_rank) if markov_rank else 0, 3)}
+    drafter["head"] = {k: v * batch for k, (v, _) in head.items()}
+    other = sum(v * train_factor[k] for k, v in fwd.items() if k != "lm_head")
+    drafter["train_arch"] = (other + sum(v * f for v, f in head.values())) * batch
 
     mlp_params = 3 * H * I if target_mlp_params is None else target_mlp_params
     per_layer_params = H * q_width + 2 * H * kv_width + q_width * H + mlp_params
@@ -120,6 +135,24 @@ def dflash_flops(*, hidden: int, num_heads: int, num_kv_heads: int, head_dim: in
     }
     return {"drafter": drafter, "target": target, "visible_fraction": visible / full_grid,
             "tokens": batch * S, "attention_convention": attention}
+
+
+def newton_schulz_flops(shapes, iterations: int = 5) -> float:
+    """FLOPs of Muon's orthogonalisation of matrices `shapes` [(A, B), ...] per optimizer step: per
+    iteration on the short side m <= n, X X^T (2 m^2 n), the quintic's G G (2 m^3) and (.) X (2 m^2 n)."""
+    total = 0.0
+    for a, b in shapes:
+        m, n = min(a, b), max(a, b)
+        total += iterations * (4 * m * m * n + 2 * m ** 3)
+    return total
+
+
+def drafter_matrix_shapes(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int,
+                          drafter_layers: int, num_taps: int) -> list[tuple[int, int]]:
+    """The hidden matrices Muon takes in a DFlash drafter (q, k, v, o, gate, up, down per layer; fc)."""
+    H, q, kv = hidden, num_heads * head_dim, num_kv_heads * head_dim
+    layer = [(q, H), (kv, H), (kv, H), (H, q), (intermediate, H), (intermediate, H), (H, intermediate)]
+    return layer * drafter_layers + [(H, num_taps * H)]
 
 
 def paper_check() -> dict:

@@ -209,6 +209,10 @@ class OptimConfig:
     """Muon's (Nesterov) momentum, in [0, 1)."""
     muon_ns_steps: int = 5
     """Newton-Schulz iterations per Muon step (torch's default; each costs ~3 matmuls per matrix)."""
+    muon_iteration: Literal["newton_schulz", "polar_express"] = "newton_schulz"
+    """How Muon orthogonalises (train/muon.py): newton_schulz = torch.optim.Muon's fixed quintic | polar_express
+    = Polar Express's per-iteration coefficients (arXiv 2505.16932), the first muon_ns_steps (<= 5) of its
+    5-step schedule: closer to orthogonal than torch's at 5 iterations, not at 4 (docs/PERF.md)."""
 
 
 RESUME_CHANGEABLE = ("data", "target", "tokenizer", "drafter")  # train.allow_changed's values
@@ -299,7 +303,7 @@ class EvalConfig:
     (chat: assistant, chitchat; text format: held-out text of data.train and the embedded prose set)."""
     sim_anchors_per_seq: int = 64
     drafter: str | None = None
-    """z-lab drafter directory the `eval` command measures (ours or a published one)."""
+    """z-lab drafter directory the `eval` command measures (ours or a published one; the speculators and DeepSpec formats too)."""
     block_size: int | None = None
     """`eval` command: decode with this block size instead of the drafter's own."""
     out_dir: str = "dflash-eval"
