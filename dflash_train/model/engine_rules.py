@@ -1,8 +1,11 @@
 """Where vLLM and SGLang read each drafter key of config.json, and what they refuse: one row per rule,
 each naming the engine file and function it mirrors.
 
-Read from the engines' code (vLLM 0.34.0 and main at 00746147, SGLang 0.5.23; shared/docs/
-serving-engines.md), never copied. `check_placement` walks these rows for the keys a drafter's
+Read from the engines' code, never copied (shared/docs/serving-engines.md: vLLM 0.34.0 and main at
+00746147, SGLang 0.5.23), the files as stored at: vLLM v1/worker/gpu/spec_decode/dflash/speculator.py
+00746147, models/qwen3_dspark.py 0302ff40, spec_decode/dspark/speculator.py 02957b5a,
+models/qwen3_dflash2.py 030da624, models/qwen3_dflash.py 036a00d1; SGLang models/dspark.py and
+speculative/dspark_components/dspark_config.py 01f47623, speculative/dflash_utils.py 00731f0b. `check_placement` walks these rows for the keys a drafter's
 architecture exports (`model/architectures.py`: its `dflash_keys` and `constants`, plus the mask
 token and the tapped layers every head has), so no rule asks which head it checks: a new head's keys
 are checked as soon as it lists them and the engines' rows for them exist here. Each failure names
@@ -146,8 +149,9 @@ def _read(rule: Read, d: dict, want) -> Finding | None:
                                        f"with {want!r}", ())
     where = " or ".join(p.path for p in rule.places)
     if rule.default is MISSING:
-        return Finding(rule.places[0].path, f"missing: {rule.engine} reads it from {where} only and refuses the "
-                                            f"drafter without it ({rule.mirrors}); trained with {want!r}", (rule.engine,))
+        message = (f"missing: {rule.engine} reads it from {where} only and refuses the drafter without it "
+                   f"({rule.mirrors}); trained with {want!r}")
+        return Finding(rule.places[0].path, message, (rule.engine,))
     if rule.default == want:
         return None
     return Finding(rule.places[0].path, f"missing: {rule.engine} reads it from {where} only and would use "

@@ -45,7 +45,9 @@ def test_a_lock_left_by_a_killed_run_is_taken_over_and_said(tmp_path):
     holder.wait()
     said = []
     with run_lock.held(tmp_path, log=said.append):
-        assert f"pid {os.getpid()}" in run_lock._who(run_lock._read(os.open(tmp_path / run_lock.LOCK_NAME, os.O_RDONLY)))
+        fd = os.open(tmp_path / run_lock.LOCK_NAME, os.O_RDONLY)
+        assert f"pid {os.getpid()}" in run_lock._who(run_lock._read(fd))
+        os.close(fd)
     assert len(said) == 1 and "taking over" in said[0] and f"pid {holder.pid}" in said[0]
     said.clear()
     with run_lock.held(tmp_path, log=said.append):  # released normally: nobody to take over from
