@@ -1,7 +1,9 @@
 """Atomic files and directories: write into a temporary sibling, fsync, rename into place.
 
 A reader (or a resumed job) therefore sees either the old complete version or the new complete
-version, never a torn one, whatever kills the writer.
+version, never a torn one, whatever kills the writer. A directory is only ever replaced when its
+writer vouches for what is there (`atomic_dir(replaceable=)`): a user's file or directory at the
+path is refused, never moved or deleted.
 """
 
 from __future__ import annotations
@@ -64,12 +66,32 @@ def _fsync_tree(root: Path) -> None:
                 os.fsync(f.fileno())
 
 
+class DestinationInUse(FileExistsError):
+    """The path to write exists and is not something the writer may replace: nothing was written."""
+
+    readable = True  # cli.py: the message alone, no traceback
+
+
+def _check_destination(final: Path, replaceable, what: str) -> None:
+    """`final` may be written when it does not exist, is an empty directory, or is a directory
+    `replaceable(final)` vouches for; anything else (a file, a link, someone's directory) is refused
+    before anything is written, and never moved or deleted."""
+    if not (final.exists() or final.is_symlink()):
+        return
+    if final.is_dir() and not final.is_symlink():
+        if not any(final.iterdir()) or (replaceable is not None and replaceable(final)):
+            return
+    kind = "a link" if final.is_symlink() else "a directory" if final.is_dir() else "a file"
+    raise DestinationInUse(f"{final} exists and is {kind} that is not {what}: nothing was written and nothing of "
+                           "it was moved or deleted; choose another path, or remove it yourself")
+
+
 def replace_dir(tmp: Path, final: Path) -> None:
-    """Move a finished directory into place; an existing one is removed only afterwards."""
+    """Move a finished directory into place. An existing `final` (one the caller may replace:
+    `atomic_dir` checked) is renamed to a hidden sibling first and removed once the new one is there."""
     old = None
     if final.exists():
-        old = final.with_name(final.name + ".old")
-        shutil.rmtree(old, ignore_errors=True)
+        old = final.with_name(f".{final.name}.old-{os.getpid()}-{os.urandom(4).hex()}")
         os.rename(final, old)
     os.rename(tmp, final)
     fsync_dir(final.parent)
@@ -78,14 +100,21 @@ def replace_dir(tmp: Path, final: Path) -> None:
 
 
 @contextlib.contextmanager
-def atomic_dir(final: str | Path):
-    """Yield a temporary directory; on success it is fsynced and renamed to `final`."""
+def atomic_dir(final: str | Path, replaceable=None, what: str = "a directory this program wrote"):
+    """Yield a temporary sibling directory; on success it is fsynced and renamed to `final`.
+
+    `final` must not exist, be an empty directory, or be a directory `replaceable(final)` vouches
+    for (checked before the block and again before the swap); otherwise `DestinationInUse` is raised
+    and `final` is left as it is. On any exception (a signal included: cli.py turns SIGTERM into
+    one) the temporary directory is removed and `final` is untouched."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
+    _check_destination(final, replaceable, what)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         yield tmp
         _fsync_tree(tmp)
+        _check_destination(final, replaceable, what)  # it may have appeared meanwhile
         replace_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

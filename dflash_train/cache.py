@@ -9,6 +9,10 @@
   and each file's size, which readers check). A single file needs no marker: it only ever appears
   by an atomic rename once it is whole.
 
+A cache file built with `verify` gets a content record `.<name>.sha256.json` (its size and sha256,
+written before the file is renamed into place) and is hashed on every use: a file edited or
+corrupted since it was built is named and rebuilt, never used.
+
 A builder killed mid-build leaves at most a temporary sibling or an unmarked directory; the next
 caller (holding the lock, so no one else is building) removes it with a message and rebuilds. A
 lock held by a dead process is harmless: the kernel releases flock when its holder dies. Lock files
@@ -43,6 +47,26 @@ class CacheBusy(RuntimeError):
     """Another process holds the lock and the caller asked not to wait."""
 
 
+class NotWritable(OSError):
+    """A directory this program writes cannot be created or written (a read-only HOME, say)."""
+
+    readable = True  # cli.py: the message alone, no traceback
+
+
+def writable_dir(path: Path) -> Path:
+    """`path`, created if missing; a NotWritable naming it and the setting that moves it otherwise."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        root = Path(os.environ.get("DFLASH_TRAIN_CACHE", "~/.cache/dflash-train")).expanduser()
+        inside = path == root or root in path.parents
+        fix = (f"set DFLASH_TRAIN_CACHE to a writable directory (it holds converted GGUF targets and content "
+               f"digests; now {root})" if inside else "choose a writable directory for it")
+        raise NotWritable(f"{path} cannot be created ({e.strerror or type(e).__name__}: {e.filename or path}): {fix}"
+                          ) from None
+    return path
+
+
 def lock_path_of(final: Path) -> Path:
     return final.with_name(f".{final.name}.lock")
 
@@ -63,8 +87,11 @@ def exclusive(lock: Path, describe: str, wait: bool = True, log=print) -> Iterat
     and logs "waiting for <describe> ... pid N, 30 s" at once and every `PROGRESS_EVERY_S`.
     """
     lock = Path(lock)
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    writable_dir(lock.parent)
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise NotWritable(f"{lock} cannot be created ({e.strerror}): the directory is not writable") from None
     try:
         t0, next_line = time.monotonic(), 0.0
         while True:
@@ -135,19 +162,25 @@ def _remove_leftovers(final: Path, describe: str, accept_unmarked, log) -> bool:
 
 
 def build_once(final: str | Path, build: Callable[[Path], None], describe: str, directory: bool = True,
-               accept_unmarked: Callable[[Path], bool] | None = None, log=print) -> bool:
+               accept_unmarked: Callable[[Path], bool] | None = None, log=print, verify: bool = False) -> bool:
     """Make `final` exactly once among all processes; return True if this call built it.
 
     `build(tmp)` fills the temporary directory `tmp` (`directory=True`) or writes the file `tmp`.
     `accept_unmarked(final)` may vouch for a directory made before markers existed (it then gets
-    one); otherwise an unmarked directory is removed and rebuilt.
+    one); otherwise an unmarked directory is removed and rebuilt. `verify` (a file): its content is
+    hashed on every call and compared with the sha256 recorded when it was built (`content_problem`);
+    a file that differs, or has no record, is named and rebuilt.
     """
     final = Path(final)
-    if is_complete(final, directory):
+    if is_complete(final, directory) and not (verify and content_problem(final, log)):
         return False
     with exclusive(lock_path_of(final), describe, log=log):
-        if is_complete(final, directory):  # built by the process we waited for
-            return False
+        if is_complete(final, directory):  # built by the process we waited for, or damaged since
+            problem = content_problem(final, log) if verify else ""
+            if not problem:
+                return False
+            log(f"cache: {describe} at {final}: {problem}: it is not what was built; removing it and rebuilding")
+            final.unlink()
         if _remove_leftovers(final, describe, accept_unmarked, log):
             return False
         t0 = time.time()
@@ -157,9 +190,40 @@ def build_once(final: str | Path, build: Callable[[Path], None], describe: str, 
                 build(tmp)
                 write_marker(tmp, t0)
         else:
-            atomic.write_with(final, build)
+            atomic.write_with(final, (lambda tmp: _build_recorded(tmp, final, build, log)) if verify else build)
         log(f"cache: built {describe} in {time.time() - t0:.1f} s")
         return True
+
+
+def record_path_of(final: Path) -> Path:
+    """The content record of a verified cache file: its size and sha256 when built."""
+    return final.with_name(f".{final.name}.sha256.json")
+
+
+def _build_recorded(tmp: Path, final: Path, build: Callable[[Path], None], log) -> None:
+    """Build into `tmp`, then record its content digest for `final` (before `tmp` is renamed to `final`,
+    so a file in place always has a record; a record without its file is rewritten by the next build)."""
+    build(tmp)
+    size = tmp.stat().st_size
+    record = {"size": size, "sha256": _hash_file(tmp, size, log), "pid": os.getpid(), "host": socket.gethostname(),
+              "built": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    atomic.write_text(record_path_of(final), json.dumps(record) + "\n")
+
+
+def content_problem(final: Path, log=print) -> str:
+    """What is wrong with a verified cache file's content ("" when it is the one built): read whole and
+    hashed (a file of 1 GB or more says so, with progress), compared with its record."""
+    try:
+        record = json.loads(record_path_of(final).read_text())
+        want_size, want_sha = int(record["size"]), str(record["sha256"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"no content record ({record_path_of(final).name}: built by an older version, or the record is damaged)"
+    size = final.stat().st_size
+    if size != want_size:
+        return f"{size} bytes, {want_size} when built"
+    if _hash_file(final, size, log) != want_sha:
+        return "its sha256 differs from the one recorded when it was built (edited or corrupted)"
+    return ""
 
 
 # ---------------------------------------------------------------------------------------------

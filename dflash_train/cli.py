@@ -5,7 +5,8 @@ config tree (dflash_train/config.py); its flags are aliases of config fields (`e
 --target T` is `eval.drafter=D target.model=T`). The config is resolved as recipe, then flags, then
 overrides; validated (dflash_train/validate.py) before anything heavy is loaded; then the command
 runs (dflash_train/commands/). Every command ends with one verdict line, printed here:
-`dflash-train <cmd>: OK ...` (exit 0), `dflash-train <cmd>: INTERRUPTED ...` (exit 3: stopped by a
+`dflash-train <cmd>: OK ...` (exit 0; `WARNING ...` where it went on past something the user must
+know), `dflash-train <cmd>: INTERRUPTED ...` (exit 3: stopped by a
 signal; `train` names the checkpointed step and how to resume) or `dflash-train <cmd>: FAILED:
 <cause>` (exit 2 for a config error, 1 otherwise). Errors written for users (a ValueError, a missing
 file, or an error class with `readable = True`) print their message alone, others a traceback too.
@@ -14,9 +15,12 @@ file, or an error class with `readable = True`) print their message alone, other
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
+import signal
 import sys
+import threading
 import traceback
 
 from dflash_train import recipes
@@ -102,8 +106,36 @@ def _positional(module, args) -> list[str]:
     return [f"{key}={words[0]}"]
 
 
+@contextlib.contextmanager
+def _signals_for_a_command():
+    """For the command's life: `kill -USR1 <pid>` prints every thread's stack and the command goes on
+    (docs: where is a job?); SIGTERM and SIGHUP end it as Ctrl-C does, so whatever it was writing is
+    removed (atomic.atomic_dir) and it ends with the INTERRUPTED verdict. `train` replaces the latter
+    with its agreed stop (train/stop.py)."""
+    from dflash_train.diagnostics.watchdog import install_signal_stack_dump, remove_signal_stack_dump
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"{signal.Signals(signum).name}; nothing half-written was left")
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)} if main_thread else {}
+    dumps = main_thread and install_signal_stack_dump()
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if dumps:
+            remove_signal_stack_dump()
+
+
 def run_command(name: str, argv: list[str]) -> int:
     """Resolve, validate and run one command; print its verdict line; return the exit status."""
+    with _signals_for_a_command():
+        return _run_command(name, argv)
+
+
+def _run_command(name: str, argv: list[str]) -> int:
     try:
         cfg, print_only = resolve(name, argv)
         if print_only:

@@ -135,6 +135,11 @@ def target_problems(cfg: RunConfig) -> list[str]:
                 "an already-cached hub id or a .gguf file)"]
     if gguf is not None and path.is_dir() and not (path / gguf).is_file():
         return [f"target.gguf_file={gguf}: not found in {path}"]
+    if gguf is None and path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        hint = (f"; it holds {', '.join(ggufs[:3])}: give target.model={path / ggufs[0]}" if ggufs else
+                ": an HF model directory holds config.json, the tokenizer and the weights (save_pretrained)")
+        return [f"target.model={model}: {path} has no config.json, so it is no model directory{hint}"]
     return []
 
 

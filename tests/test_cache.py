@@ -172,3 +172,21 @@ def test_second_prepare_into_a_busy_shard_directory_is_refused(tmp_path):
     finally:
         proc.kill()
         proc.join(timeout=60)
+
+
+def test_a_home_that_cannot_be_written_gives_one_clear_message(tmp_path):
+    """Issue 39: a read-only HOME gave three chained tracebacks. A HOME that is a file cannot hold a
+    cache for any user (root included): one FAILED line naming the directory and DFLASH_TRAIN_CACHE."""
+    import subprocess
+    import sys
+
+    home = tmp_path / "home"
+    home.write_text("not a directory")
+    env = {k: v for k, v in os.environ.items() if k != "DFLASH_TRAIN_CACHE"}
+    env.update(HOME=str(home), OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.run([sys.executable, "-m", "dflash_train", "train", "--recipe", "tiny",
+                           f"train.out_dir={tmp_path / 'run'}"], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr + proc.stdout, proc.stderr[-2000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("dflash-train train: FAILED:") and f"{home}/.cache/dflash-train" in last
+    assert "DFLASH_TRAIN_CACHE" in last

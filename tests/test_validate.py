@@ -188,3 +188,18 @@ def test_prepare_in_target_groups_needs_whole_groups_and_torchrun_placement(tiny
     staged = apply_overrides(cfg, ["topology.target_parallel=pipeline"])
     assert "`regenerate` shards its target by tensor parallelism only" in \
         validate.torchrun_group_problems(staged, 4, "regenerate")[0]
+
+
+def test_a_target_directory_without_config_json_is_named_before_anything_loads(tmp_path, capsys):
+    """Issue 39: such a directory failed with a tokenizer error."""
+    from dflash_train import cli
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "tokenizer.json").write_text("{}")
+    assert cli.main(["train", "--recipe", "tiny", f"target.model={tmp_path / 'model'}",
+                     f"train.out_dir={tmp_path / 'run'}"]) == 2
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "has no config.json" in last and str(tmp_path / "model") in last and not (tmp_path / "run").exists()
+    (tmp_path / "model" / "m.Q4.gguf").write_bytes(b"GGUF")
+    assert cli.main(["train", "--recipe", "tiny", f"target.model={tmp_path / 'model'}"]) == 2
+    assert f"target.model={tmp_path / 'model' / 'm.Q4.gguf'}" in capsys.readouterr().out

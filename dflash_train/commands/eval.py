@@ -33,6 +33,7 @@ def run(cfg) -> str:
     from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
     from dflash_train.eval.evaluate import check_compatible, eval_draft_vocab, evaluate_as_served
     from dflash_train.model.ecosystem import load_drafter
+    from dflash_train.model.hf_format import refuse_non_finite
     from dflash_train.train.setup import resolve_format
 
     e = cfg.eval
@@ -41,6 +42,7 @@ def run(cfg) -> str:
     cfg = resolved[0]
     loaded = load_drafter(e.drafter, num_target_layers=target.num_layers, device=device_of(cfg), dtype=target.dtype)
     drafter = loaded.drafter
+    refuse_non_finite(drafter.state_dict(), e.drafter, "not evaluated (its tau would be meaningless)")
     print(f"eval: drafter {e.drafter} ({loaded.format} format, {drafter.config.arch}): "
           f"{drafter.config.num_layers} layers, block size "
           f"{e.block_size or drafter.config.block_size}, taps {list(drafter.config.target_layer_ids)}, "

@@ -32,16 +32,23 @@ def validate(cfg) -> None:
 
 
 def run(cfg) -> str | Verdict:
+    from dflash_train.train import run_lock
     from dflash_train.train.command import summary
     from dflash_train.train.loop import train
+    from dflash_train.train.topology import topology_from_env
 
-    result = train(cfg)
+    topology = cfg.topology
+    topo = topology_from_env(topology.mode, topology.target_ranks, topology.target_group_size, topology.target_parallel)
+    with run_lock.held(cfg.train.out_dir, enabled=topo.is_main):  # the rank that writes the run directory
+        result = train(cfg)
     if result.get("role") == "drafter" and "export" in result:
         print(summary(result), flush=True)
     rank = os.environ.get("RANK", "0")
     stopped = result.get("interrupted")
     if not stopped:
-        return f"(rank {rank}, {result.get('role')}, {result.get('steps', '-')} steps)"
+        done = f"(rank {rank}, {result.get('role')}, {result.get('steps', '-')} steps)"
+        warnings = result.get("warnings")
+        return Verdict(f"{'; '.join(warnings)} {done}", "WARNING") if warnings else done
     if not result.get("main"):  # one verdict for the job: the main drafter rank's
         print(f"[rank {rank}] {result.get('role')}: stopped with the job after step {stopped['step']} "
               f"({stopped['cause']}); the main drafter rank reports it", flush=True)

@@ -27,8 +27,16 @@ from dflash_train.data.rows import BadRows, DataError, parse_rows
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[int, object]]:
-    with open(path, encoding="utf-8") as f:
-        for line_no, text in enumerate(f, 1):
+    """(line, row) per non-blank line; a line that is not UTF-8 or not JSON is a DataError row (read as
+    bytes and decoded line by line, so one bad byte names its line and can be skipped)."""
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                yield line_no, DataError(path.name, line_no, None, f"not UTF-8: byte 0x{raw[e.start]:02x} at column "
+                                         f"{e.start + 1} (save the file as UTF-8)", "bad_utf8")
+                continue
             if not text.strip():
                 continue
             try:

@@ -77,8 +77,8 @@ def prepare_samples(cfg: DataConfig, target, target_name: str, work_dir: Path, s
     def build(tmp: Path) -> None:
         _tokenize_into(tmp, cfg, target, target_name, work_dir, seed, log, heartbeat)
 
-    if not cache.build_once(path, build, f"tokenized samples {path.name}", directory=False, log=log):
-        log(f"data: using cached samples {path}")
+    if not cache.build_once(path, build, f"tokenized samples {path.name}", directory=False, log=log, verify=True):
+        log(f"data: using cached samples {path} (content checked against its record)")
     return path
 
 
@@ -131,8 +131,9 @@ def prepare_tapped(cfg: DataConfig, target, target_name: str, layer_ids: list[in
     def build(tmp: Path) -> None:
         _regenerate_and_tap(cfg, target, target_name, layer_ids, work_dir, seed, log, heartbeat, final_hidden).save(tmp)
 
-    if not cache.build_once(path, build, f"regenerated samples and taps {path.name}", directory=False, log=log):
-        log(f"data: using cached regenerated samples and taps {path}")
+    if not cache.build_once(path, build, f"regenerated samples and taps {path.name}", directory=False, log=log,
+                            verify=True):
+        log(f"data: using cached regenerated samples and taps {path} (content checked against its record)")
     tapped = TappedSamples.load(path)
     return split_held_out(tapped.samples, cfg.eval_fraction, tapped.rows())
 
@@ -159,12 +160,32 @@ def _checked_tapped(cfg: DataConfig, tapped, report: dict, log):
     return tapped
 
 
-def load_samples(path: Path, eval_fraction: float) -> tuple[list[Sample], list[Sample]]:
-    """The cached tokenized samples of `prepare_samples`, split into (train, held-out)."""
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    samples = [Sample(r["id"], tuple(r["input_ids"]), tuple(r["loss_mask"])) for r in rows]
+def load_samples(path: Path, eval_fraction: float, vocab_size: int | None = None
+                 ) -> tuple[list[Sample], list[Sample]]:
+    """The cached tokenized samples of `prepare_samples`, split into (train, held-out). A row that is
+    not a sample (a damaged cache), or a token id outside [0, vocab_size), is a ValueError naming the
+    file, the line and the field."""
+    samples = [_sample_row(path, number, line, vocab_size)
+               for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)]
     (train, _), (held_out, _) = split_held_out(samples, eval_fraction)
     return train, held_out
+
+
+def _sample_row(path: Path, number: int, line: str, vocab_size: int | None) -> Sample:
+    where, fix = f"{path}:{number}", f"the cache is damaged: delete {path} and it is rebuilt"
+    try:
+        row = json.loads(line)
+        sample = Sample(row["id"], tuple(row["input_ids"]), tuple(row["loss_mask"]))
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{where}: not a tokenized sample ({type(e).__name__}: {e}); {fix}") from None
+    bad = [t for t in sample.input_ids if type(t) is not int or not 0 <= t < (vocab_size or float("inf"))]
+    if bad:
+        raise ValueError(f"{where}: field input_ids: token id {bad[0]!r} is outside the target's vocabulary "
+                         f"[0, {vocab_size}); {fix} (or the samples were made for another tokenizer)")
+    if len(sample.loss_mask) != len(sample.input_ids):
+        raise ValueError(f"{where}: field loss_mask: {len(sample.loss_mask)} entries for {len(sample.input_ids)} "
+                         f"tokens; {fix}")
+    return sample
 
 
 # ---------------------------------------------------------------------------------------------

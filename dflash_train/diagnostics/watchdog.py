@@ -52,6 +52,8 @@ class Watchdog:
 
     `exit_code` is used with `os._exit` (no cleanup: a wedged thread could block a normal exit).
     `on_fire(message)`, if given, replaces the exit (tests, the doctor); the stacks are printed first.
+    `explain()`, if set, says what is known about the cause (train: a peer rank that is stopped), added
+    to the message.
     """
 
     def __init__(self, timeout_s: float, name: str = "", exit_code: int = 3, out: TextIO | None = None,
@@ -63,6 +65,7 @@ class Watchdog:
         self.exit_code = exit_code
         self.out = out  # None = sys.stderr at fire time (follows redirection)
         self.on_fire = on_fire
+        self.explain: Callable[[], str] | None = None
         now = time.monotonic()
         self._state = ("started", now, now)  # (stage, entered at, last beat): replaced whole, never mutated
         self._stop = threading.Event()
@@ -112,12 +115,21 @@ class Watchdog:
                 self._fire(stage, idle, time.monotonic() - entered)
                 return
 
+    def _cause(self) -> str:
+        try:
+            return self.explain() if self.explain is not None else ""
+        except Exception as e:  # noqa: BLE001 - a broken explanation must not stop the dump
+            return f"(unknown: {type(e).__name__}: {e})"
+
     def _fire(self, stage: str, idle: float, in_stage: float) -> None:
         """Say where we are (flushed), dump every stack, then exit (or call `on_fire`)."""
         self.fired = True
         out = self.out if self.out is not None else sys.stderr
         message = (f"WATCHDOG[{self.name} pid={os.getpid()}]: no progress for {idle:.1f}s; "
                    f"last stage: '{stage}' (entered {in_stage:.1f}s ago)")
+        cause = self._cause()
+        if cause:
+            message += f"; the cause: {cause}"
         out.write(message + "\n")
         _dump_all(out)
         if self.on_fire is not None:
@@ -132,10 +144,22 @@ def install_signal_stack_dump(sig: int | None = None, file: TextIO | None = None
     """On `sig` (default SIGUSR1) print every thread's stack to `file` (default stderr); keep running.
 
     Returns False where the signal does not exist (Windows). faulthandler writes from its C handler,
-    so this answers even when the main thread is stuck in native code holding the GIL.
-    """
+    so this answers even when the main thread is stuck in native code holding the GIL. A `file`
+    without a descriptor (a captured stream) falls back to the process's own stderr."""
     sig = sig if sig is not None else getattr(signal, "SIGUSR1", None)
     if sig is None or not hasattr(faulthandler, "register"):
         return False
-    faulthandler.register(sig, file=file if file is not None else sys.stderr, all_threads=True)
-    return True
+    for out in (file if file is not None else sys.stderr, sys.__stderr__):
+        try:
+            faulthandler.register(sig, file=out, all_threads=True)
+            return True
+        except (AttributeError, ValueError, OSError):  # io.UnsupportedOperation: no fileno
+            continue
+    return False
+
+
+def remove_signal_stack_dump(sig: int | None = None) -> None:
+    """Undo `install_signal_stack_dump` (the signal's default action again)."""
+    sig = sig if sig is not None else getattr(signal, "SIGUSR1", None)
+    if sig is not None and hasattr(faulthandler, "unregister"):
+        faulthandler.unregister(sig)

@@ -13,7 +13,9 @@ half-written checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import time
 from pathlib import Path
 
 import torch
@@ -196,9 +198,34 @@ def _extra_keys(d: dict) -> dict:
     return extra
 
 
+EXPORT_MARKER = "dflash_train_export.json"
+"""Written last into every export (`export_drafter`, `save_speculators`): which program wrote the
+directory, when, and each file's size and sha256. Only a directory carrying it is ever replaced by a
+later export; anything else at `--out` is the user's and is refused (atomic.DestinationInUse)."""
+EXPORT_WHAT = f"a drafter exported by dflash-train (no {EXPORT_MARKER} in it)"
+
+
+def is_export(path: Path) -> bool:
+    """A directory an earlier export of ours wrote (its EXPORT_MARKER names us)."""
+    try:
+        return json.loads((Path(path) / EXPORT_MARKER).read_text()).get("written_by") == "dflash-train"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _write_export_marker(directory: Path) -> None:
+    """The last file of an export: the files above with their sizes and sha256 (a later reader can tell
+    a file changed since, and the next export knows the directory is ours to replace)."""
+    files = {p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+             for p in sorted(directory.iterdir()) if p.is_file() and p.name != EXPORT_MARKER}
+    marker = {"written_by": "dflash-train", "written": time.strftime("%Y-%m-%dT%H:%M:%S"), "files": files}
+    _write_json(marker)(directory / EXPORT_MARKER)
+
+
 def _write_dir(out_dir: str | Path, files: dict) -> Path:
-    """Write {name: callable(path)} into a temporary directory renamed to out_dir when complete."""
-    with atomic_dir(out_dir) as tmp:
+    """Write {name: callable(path)} into a temporary sibling renamed to out_dir when complete; an
+    existing out_dir is replaced only if it is an earlier export of ours (`is_export`)."""
+    with atomic_dir(out_dir, replaceable=is_export, what=EXPORT_WHAT) as tmp:
         for name, write in files.items():
             write(tmp / name)
     return Path(out_dir)
@@ -211,11 +238,32 @@ def _write_json(data: dict):
     return write
 
 
-def save_zlab(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
-              extra_files: dict | None = None, trained_against: dict | None = None,
-              draft_vocab: torch.Tensor | None = None, training_input: dict | None = None) -> Path:
-    """Write config.json + model.safetensors (tensors cast to `dtype`), and DRAFT_VOCAB when
-    `draft_vocab` ids are given, atomically."""
+class NonFiniteWeights(ValueError):
+    """A drafter's weights hold a NaN or an infinity: they are never written, exported or evaluated."""
+
+
+def non_finite_weights(tensors: dict) -> list[str]:
+    """Every floating tensor holding a NaN or an infinity, as 'name (n NaN, m inf of k)'."""
+    out = []
+    for name, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            nan, inf = int(torch.isnan(tensor).sum()), int(torch.isinf(tensor).sum())
+            out.append(f"{name} ({nan} NaN, {inf} inf of {tensor.numel()})")
+    return out
+
+
+def refuse_non_finite(tensors: dict, source: str, action: str) -> None:
+    """Raise NonFiniteWeights naming every non-finite tensor of `source` and what was not done."""
+    bad = non_finite_weights(tensors)
+    if bad:
+        raise NonFiniteWeights(f"{source}: the drafter's weights are not finite: {'; '.join(bad[:4])}"
+                               f"{' ...' if len(bad) > 4 else ''}: {action}; a drafter with NaN or inf weights drafts "
+                               "nothing useful: take an earlier checkpoint (its drafter/) or retrain")
+
+
+def _zlab_files(drafter: DFlashDrafter, dtype: torch.dtype, extra_files: dict | None, trained_against: dict | None,
+                draft_vocab: torch.Tensor | None, training_input: dict | None) -> dict:
+    """{file name: writer(path)} of a z-lab directory (tensors cast to `dtype`)."""
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
     files = {"config.json": _write_json(zlab_config_dict(drafter.config, dtype, trained_against, training_input)),
              WEIGHTS: lambda p: save_file(tensors, str(p), metadata={"format": "pt"})}
@@ -223,7 +271,16 @@ def save_zlab(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype = 
         files[DRAFT_VOCAB] = _write_json(draft_vocab_file(draft_vocab))
     for name, data in (extra_files or {}).items():
         files[name] = _write_json(data)
-    return _write_dir(out_dir, files)
+    return files
+
+
+def save_zlab(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype = torch.bfloat16,
+              extra_files: dict | None = None, trained_against: dict | None = None,
+              draft_vocab: torch.Tensor | None = None, training_input: dict | None = None) -> Path:
+    """Write config.json + model.safetensors (tensors cast to `dtype`), and DRAFT_VOCAB when
+    `draft_vocab` ids are given, atomically (a checkpoint's drafter/; the checked serving artefact is
+    `export_drafter`'s)."""
+    return _write_dir(out_dir, _zlab_files(drafter, dtype, extra_files, trained_against, draft_vocab, training_input))
 
 
 def load_zlab(model_dir: str | Path, device="cpu", dtype: torch.dtype | None = None) -> DFlashDrafter:
@@ -286,12 +343,15 @@ def speculators_config_dict(cfg: DrafterConfig, verifier: str, verifier_arch: li
 def save_speculators(drafter: DFlashDrafter, out_dir: str | Path, embed_weight: torch.Tensor,
                      lm_head_weight: torch.Tensor, verifier: str, verifier_arch: list[str],
                      dtype: torch.dtype = torch.bfloat16) -> Path:
-    """speculators layout: the drafter weights plus frozen copies of embed_tokens and lm_head."""
+    """speculators layout: the drafter weights plus frozen copies of embed_tokens and lm_head (non-finite
+    weights refused before anything is written; an existing out_dir replaced only if it is ours)."""
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
+    refuse_non_finite(tensors, str(out_dir), "nothing was written")
     tensors["embed_tokens.weight"] = embed_weight.detach().to("cpu", dtype).contiguous()
     tensors["lm_head.weight"] = lm_head_weight.detach().to("cpu", dtype).clone().contiguous()
     files = {"config.json": _write_json(speculators_config_dict(drafter.config, verifier, verifier_arch)),
-             WEIGHTS: lambda p: save_file(tensors, str(p), metadata={"format": "pt"})}
+             WEIGHTS: lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
+             EXPORT_MARKER: lambda p: _write_export_marker(p.parent)}  # last: it lists the files above
     return _write_dir(out_dir, files)
 
 
@@ -324,29 +384,37 @@ def load_draft_vocab(model_dir: str | Path, vocab_size: int) -> torch.Tensor | N
 def export_drafter(drafter: DFlashDrafter, out_dir: str | Path, target_model: str | None = None,
                    gguf_file: str | None = None, dtype: torch.dtype = torch.bfloat16, log=print,
                    draft_vocab: torch.Tensor | None = None, training_input: dict | None = None) -> Path:
-    """The serving artefact: save in z-lab format with the training target recorded in
+    """The serving artefact: the z-lab format with the training target recorded in
     `dflash_config.trained_against` (and `draft_vocab`, the ids of its training softmax, as
-    DRAFT_VOCAB), then check it as the engines will load it.
+    DRAFT_VOCAB), written beside `out_dir`, checked as the engines will load it, and swapped in only
+    when it passes (with EXPORT_MARKER, written last).
 
-    Raises `ServingContractError` (a ValueError listing every failure) when the written drafter
-    would be served wrong. A target whose files are not on this machine (a disaggregated run's
-    drafter node) is not recorded, and that is said."""
+    Nothing is written when the weights are not finite (`NonFiniteWeights`) or `out_dir` holds
+    something other than an earlier export of ours (`atomic.DestinationInUse`); a drafter that would be
+    served wrong raises `ServingContractError` (a ValueError listing every failure) and leaves nothing.
+    A target whose files are not on this machine (a disaggregated run's drafter node) is not recorded,
+    and that is said."""
     # serving_check reads checkpoints with this module's loader: imported here to avoid the cycle
     from dflash_train.model.serving_check import ServingContractError, check_drafter, engine_notes
     from dflash_train.model.target_identity import describe_target
 
+    out_dir = Path(out_dir)
+    refuse_non_finite(drafter.state_dict(), str(out_dir), "nothing was written")
     target = None
     if target_model is not None:
         try:
             target = describe_target(target_model, gguf_file)
         except (FileNotFoundError, OSError, ValueError) as e:
             log(f"export: WARNING: the training target is not recorded and not checked: {e}")
-    path = save_zlab(drafter, out_dir, dtype=dtype, trained_against=target.provenance() if target else None,
-                     draft_vocab=draft_vocab, training_input=training_input)
-    failures = check_drafter(path, target, trained=drafter)
-    if failures:
-        raise ServingContractError(path, failures)
-    log(f"export: {path} passes the serving check" + (f" against {target.name} ({target.path})" if target else ""))
-    for note in engine_notes(path):
+    files = _zlab_files(drafter, dtype, None, target.provenance() if target else None, draft_vocab, training_input)
+    with atomic_dir(out_dir, replaceable=is_export, what=EXPORT_WHAT) as staged:
+        for name, write in files.items():
+            write(staged / name)
+        failures = check_drafter(staged, target, trained=drafter)
+        if failures:
+            raise ServingContractError(out_dir, failures, written=False)
+        _write_export_marker(staged)
+    log(f"export: {out_dir} passes the serving check" + (f" against {target.name} ({target.path})" if target else ""))
+    for note in engine_notes(out_dir):
         log(f"export: note: {note}")
-    return path
+    return out_dir

@@ -10,7 +10,12 @@ failure (each naming its field) rather than stopping at the first:
   explicit `head_dim`/`rope_theta`/`layer_types` that the engines read as the trainer did (and
   equal to training when the trained drafter is given), hidden size and vocab equal to the
   target's;
+- placement: each key of the drafter's architecture where vLLM and SGLang read it, with the value it
+  was trained with, and nothing an engine refuses (model/engine_rules.py, one rule per engine and key,
+  each naming the engine code it mirrors); a failure names the engines that would refuse the drafter
+  (`Failure.refused_by`);
 - weights: the exact key set and shapes, no `model.` prefix, no embeddings / lm_head / token maps;
+  every tensor in the dtype config.json declares, and finite;
 - scaling: `dflash_config.input_embedding_scale`, `output_multiplier` and `final_logit_softcapping`
   are values an engine can apply and equal the target's own (model/scaling.py); which engines ignore
   them is said beside the verdict (`engine_notes`);
@@ -31,6 +36,7 @@ import torch
 
 from dflash_train.model import engine_view
 from dflash_train.model.architectures import ARCHITECTURES, arch_of_architectures, build_drafter
+from dflash_train.model.engine_rules import SGLANG, check_placement as engine_placement, expected_keys
 from dflash_train.model.attention import MaskSpec, build_training_masks
 from dflash_train.model.config import DrafterConfig, last_layer_tap_problem, rope_theta_of
 from dflash_train.model.drafter import DFlashDrafter
@@ -54,16 +60,21 @@ FORWARD_RTOL = 1e-4
 class Failure:
     field: str
     message: str
+    refused_by: tuple[str, ...] = ()
+    """The engines that would refuse to load the drafter for it (model/engine_rules.py); the others
+    load it and serve it wrong."""
 
     def __str__(self) -> str:
         return f"{self.field}: {self.message}"
 
 
 class ServingContractError(ValueError):
-    def __init__(self, drafter_dir, failures: list[Failure]):
+    def __init__(self, drafter_dir, failures: list[Failure], written: bool = True):
         self.failures = failures
         lines = "\n  ".join(str(f) for f in failures)
-        super().__init__(f"{drafter_dir}: the drafter fails its serving check ({len(failures)} problems):\n  {lines}")
+        where = "" if written else " (checked before it was swapped in: nothing was written there)"
+        super().__init__(f"{drafter_dir}: the drafter fails its serving check{where} ({len(failures)} problems):"
+                         f"\n  {lines}")
 
 
 def check_drafter(drafter_dir: str | Path, target: TargetInfo | None = None,
@@ -89,9 +100,11 @@ def check_drafter(drafter_dir: str | Path, target: TargetInfo | None = None,
     except (ValueError, TypeError) as e:
         return failures + [Failure("config", f"the trainer cannot read it: {e}")] + identity
     failures += check_engine_view(drafter_dir, d, cfg)
+    failures += check_placement(d, trained.config if trained is not None else cfg)
     if trained is not None:
         failures += check_training(cfg, trained.config)
     failures += check_weights(shapes, cfg, skip_fc=any(f.field.endswith("target_layer_ids") for f in failures))
+    failures += check_tensors(weight_files, d)
     if not failures:  # a forward needs loadable weights and a config both sides read alike
         failures += check_forward(drafter_dir, d, cfg, trained)
     return failures + identity
@@ -115,36 +128,9 @@ def check_config(d: dict, shapes: dict, target: TargetInfo | None) -> list[Failu
     out += _check_layer_ids(d, dflash, shapes, target)
     out += _check_block_size(d, dflash)
     out += _check_scaling(d, dflash, target)
-    out += _check_arch_keys(d, dflash)
     if target is not None and d.get("hidden_size") != target.hidden_size:
         out.append(Failure("hidden_size", f"{d.get('hidden_size')} but the target {target.name} has "
-                                          f"{target.hidden_size}: vLLM silently falls back, SGLang raises"))
-    return out
-
-
-def _check_arch_keys(d: dict, dflash: dict) -> list[Failure]:
-    """The architecture's own keys where the engines read them (`Architecture.top_level` says where and
-    why): DFlash 2's four in dflash_config (vLLM raises a KeyError without them), DSpark's at the top
-    level (vLLM reads them nowhere else), and its constants (vLLM builds only the vanilla head). A truthy
-    `dflash_config.sample_from_anchor` is refused for every drafter: vLLM's DFlash speculator, which its
-    DSpark speculator runs first, raises on it (v1/worker/gpu/spec_decode/dflash/speculator.py)."""
-    out = []
-    if dflash.get("sample_from_anchor"):
-        out.append(Failure("dflash_config.sample_from_anchor", "true here: vLLM refuses the drafter "
-                           "('sample_from_anchor=True is not supported for DFlash'); DSpark writes it at the "
-                           "top level, where vLLM and SGLang read it"))
-    try:
-        spec = ARCHITECTURES[arch_of_architectures(d.get("architectures") or ["DFlashDraftModel"])]
-    except ValueError:
-        return out  # named by the architectures check
-    where, prefix = (d, "") if spec.top_level else (dflash, "dflash_config.")
-    for key in spec.dflash_keys + tuple(k for k, _ in spec.constants):
-        if key not in where:
-            out.append(Failure(prefix + key, "missing: the engines read it there"))
-    for key, want in spec.constants:
-        got = [place[key] for place in (dflash, d) if key in place]
-        if any(g != want for g in got):
-            out.append(Failure(key, f"{got} but this drafter is {want!r}: the engines would build another head"))
+                                          f"{target.hidden_size}: vLLM silently falls back, SGLang raises", (SGLANG,)))
     return out
 
 
@@ -271,6 +257,53 @@ def engine_notes(drafter_dir: str | Path) -> list[str]:
     set_fields = {k: v for k, v in values.items() if not _same(v, Scaling().as_dict()[k])}
     return [f"dflash_config.{name}={value}: z-lab's dflash applies it; {ENGINE_SCALING_SUPPORT[name]}"
             for name, value in set_fields.items()]
+
+
+def check_placement(d: dict, cfg: DrafterConfig) -> list[Failure]:
+    """Each key of the drafter's architecture where vLLM and SGLang read it, with the value it was trained
+    with (model/engine_rules.py: one rule per engine and key, each citing the engine code it mirrors)."""
+    spec = ARCHITECTURES[cfg.arch]
+    return [Failure(f.field, f.message, f.refused_by) for f in engine_placement(d, expected_keys(spec, cfg))]
+
+
+SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
+                      "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def check_tensors(weight_files: list[Path], d: dict) -> list[Failure]:
+    """Every tensor in the dtype config.json declares (the engines cast each one into a parameter of the
+    model's dtype, vLLM model_loader/weight_utils.py default_weight_loader and SGLang's alike, so a
+    float16 tensor in a bfloat16 export is served rounded twice without a word) and finite."""
+    from safetensors import safe_open
+
+    declared = d.get("dtype") or d.get("torch_dtype")
+    wrong, bad = [], []
+    for path in weight_files:
+        for name, dtype in _header_dtypes(path).items():
+            if declared and SAFETENSORS_DTYPES.get(dtype, dtype) != declared:
+                wrong.append(f"{name} is {SAFETENSORS_DTYPES.get(dtype, dtype)}")
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                    bad.append(f"{name} ({path.name})")
+    out = []
+    if wrong:
+        out.append(Failure("weights.dtype", f"{'; '.join(wrong[:4])}{' ...' if len(wrong) > 4 else ''} but config.json "
+                           f"says dtype {declared}: the engines cast it without a word, so what is served is not what "
+                           "was exported; export again (`dflash-train export --dtype ...`)"))
+    if bad:
+        out.append(Failure("weights.non_finite", f"{', '.join(bad[:4])} hold NaN or inf: both engines load them "
+                           "without a word and the drafter proposes garbage; export a finite checkpoint"))
+    return out
+
+
+def _header_dtypes(path: Path) -> dict[str, str]:
+    """Tensor name -> safetensors dtype string, from the file's JSON header alone."""
+    with open(path, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    return {name: meta["dtype"] for name, meta in header.items() if name != "__metadata__"}
 
 
 def check_engine_view(drafter_dir: Path, d: dict, cfg: DrafterConfig) -> list[Failure]:

@@ -16,8 +16,11 @@ Layout of `<out_dir>/checkpoints/step_00000100/`:
 Verified: before anything of a checkpoint is loaded, every file is checked against its recorded
 size and sha256 (`damage`). Resuming (`train.resume=true`) takes the newest intact checkpoint:
 a damaged `latest` is named, moved to `checkpoints/damaged/`, and the one before is taken with a
-line saying so; `train.resume=PATH` takes that checkpoint or refuses it, naming the newest intact
-one. Non-finite weights are never written (`NonFiniteWeights`), so never ranked best or exported.
+line saying so (every one damaged: the run starts fresh and its verdict says so, `warnings`);
+`train.resume=PATH` takes that checkpoint or refuses it, naming the newest intact one. `latest`
+and `best` are followed only to a step directory of this run (`_link`): a link that dangles or
+leads elsewhere is named and the newest intact checkpoint taken, so nothing outside `checkpoints/`
+is ever read, moved or pruned. A trainer.pt is only ever loaded with weights_only=True. Non-finite weights are never written (`NonFiniteWeights`), so never ranked best or exported.
 Only the main drafter rank reads a checkpoint; the others receive it (`resume_point`), so no other
 node needs to see `train.out_dir`.
 """
@@ -27,6 +30,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
+import pickle
 import random
 import shutil
 import subprocess
@@ -42,7 +47,8 @@ from safetensors import SafetensorError
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dflash_train import atomic
-from dflash_train.model.hf_format import export_drafter, load_draft_vocab, load_zlab, save_zlab
+from dflash_train.model.hf_format import (NonFiniteWeights, export_drafter, is_export, load_draft_vocab,
+                                          load_zlab, non_finite_weights, save_zlab)
 from dflash_train.train.optim import full_precision_weights
 
 
@@ -127,10 +133,21 @@ class DrafterState:
 
 
 def first_non_finite(tensors: dict) -> str | None:
-    for name, tensor in tensors.items():
-        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
-            return name
-    return None
+    bad = non_finite_weights(tensors)
+    return bad[0] if bad else None
+
+
+def _load_trainer(path: Path) -> dict:
+    """trainer.pt as written by `save_trainer` (plain tensors and containers, weights_only=True). A file
+    torch's safe loader refuses is not one of ours: a ValueError naming it. It is never loaded with
+    weights_only=False, which torch's own message suggests and which would run any code in it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, KeyError, AttributeError, TypeError, IndexError, ImportError) as e:
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path.name} is not a checkpoint this trainer wrote (torch.load with weights_only=True "
+                         f"refused it: {type(e).__name__}: {first[:160]}); it is not loaded any other way, since "
+                         "that could run code in it") from None
 
 
 class CheckpointWriteError(OSError):
@@ -141,10 +158,6 @@ class CheckpointWriteError(OSError):
 
 class CheckpointDamaged(ValueError):
     """`train.resume=PATH` names a checkpoint whose files do not match their recorded checksums."""
-
-
-class NonFiniteWeights(ValueError):
-    """The drafter's weights hold a NaN or an infinity: they are never written or exported."""
 
 
 @dataclass
@@ -229,9 +242,10 @@ class Checkpointer:
     `restore` loads them back; `resume_point` finds what to resume from."""
 
     def __init__(self, out_dir: str | Path, keep_last: int):
-        self.root = Path(out_dir) / "checkpoints"
+        self.root = Path(out_dir).absolute() / "checkpoints"
         self.keep_last = max(1, keep_last)
         self.verified: Path | None = None  # the newest checkpoint known intact (written or checked here)
+        self.warnings: list[str] = []  # what the run's verdict must say (every checkpoint damaged: started fresh)
 
     def resume_point(self, resume: bool | str, topo, group=None, log=print) -> ResumePoint | None:
         """The verified checkpoint to resume from (see the module doc), read on the main drafter
@@ -247,11 +261,15 @@ class Checkpointer:
     def _find(self, resume: bool | str, log) -> ResumePoint | None:
         if isinstance(resume, str):
             return self._explicit(Path(resume).expanduser(), log)
-        latest = self.latest()
-        if latest is None:
+        latest, why = self._link("latest")
+        if why:
+            log(f"resume: {self.root / 'latest'} {why}; taking the newest intact checkpoint of this run")
+        candidates = ([latest] if latest else []) + [p for p in self._steps()[::-1] if p != latest]
+        if not candidates:
             log(f"resume: no checkpoint under {self.root}; starting fresh")
             return None
-        for candidate in [latest] + [p for p in self._steps()[::-1] if p != latest]:
+        damaged = []
+        for candidate in candidates:
             point, problems = self._read(candidate)
             if point is not None:
                 if candidate != latest:
@@ -259,8 +277,11 @@ class Checkpointer:
                         "are trained again)")
                     atomic.point_link(self.root / "latest", candidate.name)
                 return point
+            damaged.append(candidate.name)
             log(f"resume: checkpoint {candidate} is damaged: {'; '.join(problems)}; moved to "
                 f"{self._set_aside(candidate)}")
+        self.warnings.append(f"started fresh: every checkpoint under {self.root} was damaged ({', '.join(damaged)}; "
+                             f"kept in {self.root / 'damaged'})")
         log(f"resume: no intact checkpoint under {self.root}; starting fresh")
         return None
 
@@ -281,10 +302,10 @@ class Checkpointer:
         if problems:
             return None, [f"{path.name}/{p}" for p in problems]
         try:
-            trainer = torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
+            trainer = _load_trainer(path / "trainer.pt")
             weights = load_zlab(path / "drafter", device="cpu", dtype=torch.float32).state_dict()
         except (OSError, RuntimeError, ValueError, SafetensorError, EOFError) as e:  # a checkpoint without records
-            return None, [f"{path.name} unreadable: {type(e).__name__}: {e}"]
+            return None, [f"{path.name} unreadable: {type(e).__name__}: {str(e).splitlines()[0]}"]
         bad = first_non_finite(weights)
         if bad is not None:
             return None, [f"{path.name}/drafter holds non-finite weights ({bad}; written before this check)"]
@@ -292,7 +313,10 @@ class Checkpointer:
         return ResumePoint(path, trainer, weights), []
 
     def _set_aside(self, path: Path) -> Path:
-        """A damaged checkpoint out of the way (kept for inspection, never taken or counted again)."""
+        """A damaged checkpoint of this run out of the way (kept for inspection, never taken or counted
+        again); only a real step directory inside `root` is ever moved (`_steps`, `_link`)."""
+        if path.is_symlink() or path.parent.resolve() != self.root.resolve():
+            raise ValueError(f"{path} is not a checkpoint directory of {self.root}: not moved")
         dest = self.root / "damaged" / f"{path.name}-{time.strftime('%Y%m%d-%H%M%S')}"
         dest.parent.mkdir(parents=True, exist_ok=True)
         path.rename(dest)
@@ -312,12 +336,25 @@ class Checkpointer:
                 state.load_state_dict(point.trainer[name])
 
     def latest(self) -> Path | None:
-        link = self.root / "latest"
-        return link.resolve() if link.exists() else None
+        return self._link("latest")[0]
 
     def best(self) -> Path | None:
-        link = self.root / "best"
-        return link.resolve() if link.exists() else None
+        return self._link("best")[0]
+
+    def _link(self, name: str) -> tuple[Path | None, str]:
+        """(the step directory of this run that link `name` points to, "") or (None, why not): a link
+        that dangles or leads out of `root` (an absolute or `..` target, or through a linked step
+        directory) is never followed, so nothing outside the run is read, moved or pruned."""
+        link = self.root / name
+        if not link.is_symlink():
+            return None, ""
+        target = Path(os.path.normpath(link.parent / os.readlink(link)))
+        inside = target.parent.resolve() == self.root.resolve() and target.name.startswith("step_")
+        if not inside or target.is_symlink():
+            return None, f"points to {target}, outside {self.root}: not followed"
+        if not target.is_dir():
+            return None, f"points to {target.name}, which is missing"
+        return self.root / target.name, ""
 
     def intact_best(self, log=print) -> Path | None:
         """What to export: `best` if intact, else the newest intact checkpoint (said)."""
@@ -339,7 +376,7 @@ class Checkpointer:
                                    f"written; {self.latest() or 'no earlier checkpoint'} holds the last finite weights")
         self._remove_stale_temporaries()
         try:
-            with atomic.atomic_dir(self.root / name) as tmp:
+            with atomic.atomic_dir(self.root / name, replaceable=self._is_step_dir) as tmp:
                 model.save(tmp / "drafter")
                 save_trainer(states, tmp / "trainer.pt")
                 record = {"step": step, "sim_tau": sim_tau, **meta, FILES: file_records(tmp)}
@@ -355,8 +392,13 @@ class Checkpointer:
         self._prune()
         return self.root / name
 
+    def _is_step_dir(self, path: Path) -> bool:
+        """A step directory of this run (retraining a step after an earlier resume writes it again)."""
+        return path.parent == self.root and path.name.startswith("step_") and not path.is_symlink()
+
     def _steps(self) -> list[Path]:
-        return sorted(p for p in self.root.glob("step_*") if p.is_dir())
+        """This run's step directories (a link named like one, possibly leading elsewhere, is not)."""
+        return sorted(p for p in self.root.glob("step_*") if p.is_dir() and not p.is_symlink())
 
     def _remove_stale_temporaries(self) -> None:
         """Temporary directories of a writer that died mid-write (a SIGKILL): one process writes
@@ -377,9 +419,9 @@ class Checkpointer:
 
     def _prune(self) -> None:
         """Keep the last `keep_last`, best, latest, and the newest verified checkpoint."""
-        protected = {self.best(), self.latest(), self.verified.resolve() if self.verified else None}
+        protected = {self.best(), self.latest(), self.verified}
         for old in self._steps()[:-self.keep_last]:
-            if old.resolve() not in protected:
+            if old not in protected:
                 shutil.rmtree(old, ignore_errors=True)
 
 
@@ -391,8 +433,18 @@ def export_checkpoint(checkpoint: Path, out_dir: Path, log, target_cfg, training
     bad = first_non_finite(drafter.state_dict())
     if bad is not None:
         raise NonFiniteWeights(f"{checkpoint}: the drafter's weight {bad} is non-finite: not exported")
+    _keep_an_unmarked_export(out_dir / "drafter", log)
     path = export_drafter(drafter, out_dir / "drafter", target_cfg.model, target_cfg.gguf_file, log=log,
                           draft_vocab=load_draft_vocab(checkpoint / "drafter", drafter.config.vocab_size),
                           training_input=training_input)
     log(f"exported z-lab drafter {path} (from {checkpoint.name})")
     return path
+
+
+def _keep_an_unmarked_export(path: Path, log) -> None:
+    """The run's drafter/ written by an older version (no export marker): renamed beside it, inside the
+    run directory, so the new export can take its place; nothing is deleted."""
+    if path.is_dir() and not path.is_symlink() and any(path.iterdir()) and not is_export(path):
+        kept = path.with_name(f"{path.name}.before-{time.strftime('%Y%m%d-%H%M%S')}")
+        path.rename(kept)
+        log(f"export: {path} has no export marker (written by an older version, or by hand): kept as {kept}")

@@ -119,6 +119,7 @@ def train(cfg: RunConfig) -> dict:
     watchdog = Watchdog(max(cfg.train.watchdog_seconds, SETUP_WATCHDOG_S), name=f"rank{topo.rank}")
     watchdog.start()
     watch = PeerWatch(topo, stop, log).start(ctl_group)
+    watchdog.explain = watch.stopped_note  # a stall caused by a stopped peer names it
     p = Process(cfg, topo, device, dp_group, ctl_group, target_mesh, out_dir, log, watchdog, stop,
                 StopVote.for_topology(topo, ctl_group, cfg.topology.max_in_flight), watch, faults)
     try:
@@ -287,7 +288,8 @@ def _train_drafter(p: Process, s: Setup) -> dict:
     p.watch.stop()  # (and the main one exports and evaluates alone)
     stopped = p.vote.interruption(p.stop, topo, t.progress.step)
     result = {"role": "drafter", "main": topo.is_main, "steps": t.progress.step, "total_steps": s.total_steps,
-              "tokens": t.progress.tokens, "sim": last_sim, "interrupted": stopped, "out_dir": str(p.out_dir)}
+              "tokens": t.progress.tokens, "sim": last_sim, "interrupted": stopped, "out_dir": str(p.out_dir),
+              "warnings": s.checkpointer.warnings}
     if topo.is_main and stopped:
         result["checkpoint"] = str(s.checkpointer.latest())
     elif topo.is_main:

@@ -16,7 +16,8 @@ elastic resume) and is only reported.
 `Provenance` is Stateful: its `state_dict` is the fingerprints, its `load_state_dict` compares
 them with this run's and refuses a resume that changed anything, naming the part and its field,
 unless the part is in `train.allow_changed` (then a warning names it). A refusal suggests an
-`allow_changed` value only where that value lets the resume go on.
+`allow_changed` value only where that value lets the resume go on: a drafter whose weights change
+(another architecture, width or depth) is refused whatever `allow_changed` says, naming the tensors.
 """
 
 from __future__ import annotations
@@ -29,6 +30,8 @@ from array import array
 import torch.distributed as dist
 
 from dflash_train.config import RESUME_CHANGEABLE, RunConfig
+from dflash_train.model.architectures import build_drafter
+from dflash_train.model.config import DrafterConfig
 from dflash_train.model.target_identity import describe_target
 
 TOKENS_SAMPLED = 1024
@@ -129,22 +132,55 @@ def check_ranks_agree(current: dict, topo, group) -> None:
                                  f"{parts} (on several nodes, each needs the same target and data.train files)")
 
 
+def weight_shapes(fields: dict) -> dict | None:
+    """{name: shape} of the weights of the drafter that `drafter_fields` describe (built on the meta
+    device), or None where the record cannot be read back as a DrafterConfig (an older version's)."""
+    import torch
+
+    names = {f.name for f in dataclasses.fields(DrafterConfig)}
+    try:
+        cfg = DrafterConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items() if k in names})
+        with torch.device("meta"):
+            return {k: tuple(v.shape) for k, v in build_drafter(cfg).state_dict().items()}
+    except (TypeError, ValueError, KeyError):
+        return None
+
+
+def weights_change(saved: dict, current: dict) -> str:
+    """How the drafter's weights differ between the checkpoint's record and this run's ("" if they do
+    not, or cannot be told): a resume then cannot load them, whatever train.allow_changed says."""
+    before, now = weight_shapes(saved.get("drafter") or {}), weight_shapes(current.get("drafter") or {})
+    if before is None or now is None or before == now:
+        return ""
+    missing, unexpected = sorted(set(now) - set(before)), sorted(set(before) - set(now))
+    reshaped = [k for k in now if k in before and now[k] != before[k]]
+    parts = [f"{label} {names[:3]}{' ...' if len(names) > 3 else ''}" for label, names in
+             (("new", missing), ("gone", unexpected), ("reshaped", reshaped)) if names]
+    return "; ".join(parts)
+
+
 def _count_changed(saved: dict, current: dict) -> bool:
     return saved.get("data", {}).get("num_samples") != current["data"]["num_samples"] and "data" in saved
 
 
-def refusal(changed: dict[str, list[str]], refused: list[str], allowed: tuple[str, ...], count_changed: bool) -> str:
+def refusal(changed: dict[str, list[str]], refused: list[str], allowed: tuple[str, ...], count_changed: bool,
+            reweighted: str = "") -> str:
     """The refusal's text: each refused part's fields, then what to do (an `allow_changed` value
     only when it would let the resume go on)."""
     lines = ["resume: this run differs from the checkpoint's:"]
     lines += [f"  {part}: {'; '.join(changed[part])}" for part in refused]
     fixed = [part for part in refused if part not in RESUME_CHANGEABLE]
+    if "drafter" in refused and reweighted:
+        lines.append(f"the drafter's weights change ({reweighted}): the checkpoint's cannot be loaded into it, "
+                     "even with train.allow_changed=drafter; train it in a new train.out_dir, or resume with the "
+                     "checkpoint's drafter settings")
+        fixed.append("drafter")
     if "data" in refused and count_changed:
         lines.append("the sample count cannot change on resume (the data cursor walks that many samples): "
                      "data.train, its content, data.max_samples, data.max_len or data.min_loss_tokens changed; "
                      "resume with the checkpoint's data, or start a new run in a new train.out_dir")
         fixed.append("data")
-    order = [part for part in fixed if part != "data"]
+    order = [part for part in fixed if part not in ("data", "drafter")]
     if order:
         lines.append(f"{', '.join(order)} cannot change on resume (the sequence of global batches depends on "
                      "it): use the checkpoint's values")
@@ -171,10 +207,11 @@ class Provenance:
         changed = differences(saved, self.current)
         layout = changed.pop(LAYOUT, None)
         count_changed = _count_changed(saved, self.current)
-        refused = [part for part in changed
-                   if part not in self.allow_changed or (part == "data" and count_changed)]
+        reweighted = weights_change(saved, self.current) if "drafter" in changed else ""
+        refused = [part for part in changed if part not in self.allow_changed or (part == "data" and count_changed)
+                   or (part == "drafter" and reweighted)]
         if refused:
-            raise ProvenanceMismatch(refusal(changed, refused, self.allow_changed, count_changed))
+            raise ProvenanceMismatch(refusal(changed, refused, self.allow_changed, count_changed, reweighted))
         for part, fields in changed.items():
             self.log(f"WARNING resume: {part} changed since the checkpoint (train.allow_changed): {'; '.join(fields)}")
         if layout:

@@ -197,7 +197,7 @@ def load_or_build_samples(cfg: RunConfig, target, topo: Topology, work_dir: Path
         path = prepare_samples(cfg.data, target, data_source_name(cfg, target), work_dir, cfg.train.seed, log, heartbeat)
     if topo.distributed:
         path = share_file(path, work_dir, topo.drafter_ranks[0], group, log)
-    return load_samples(path, cfg.data.eval_fraction)
+    return load_samples(path, cfg.data.eval_fraction, target.vocab_size)
 
 
 SHARE_CHUNK = 64 << 20  # bytes per broadcast when a node receives a file

@@ -20,8 +20,9 @@ job down as soon as one rank exits, so no rank may leave before it. The main dra
 prints the one INTERRUPTED verdict.
 
 Ranks that end early (`PeerWatch`). A daemon thread checks every WATCH_EVERY_S that the ranks on
-this host still run (their pids, gathered at start-up); a rank whose process is gone while the job
-runs is named: the main thread's error (a gloo `Connection closed by peer`) is explained with its
+this host still run (their pids, gathered at start-up); a rank whose process is stopped (SIGSTOP, a
+debugger) is named after STOPPED_NOTICE_S, and the watchdog's message names it when the stall ends the
+job (its peers are not blamed); a rank whose process is gone while the job runs is named: the main thread's error (a gloo `Connection closed by peer`) is explained with its
 rank and role, and if the main thread is stuck (an NCCL collective) the thread ends this process
 itself after GRACE_S, with the verdict line. Ranks on other hosts are named by host from the
 broken connection's address.
@@ -47,6 +48,7 @@ SIGNAL_CODES = {signal.SIGTERM: 1, signal.SIGINT: 2, signal.SIGHUP: 3}
 LAUNCHER_DIED, BUDGET_SPENT = 4, 5
 REPEAT_WINDOW_S = 2.0
 WATCH_EVERY_S, GRACE_S = 0.5, 3.0
+STOPPED_NOTICE_S = 5.0  # a peer stopped (SIGSTOP, a debugger) this long is named
 PREFETCH = 1  # RemoteSource posts the receives of this many steps ahead
 
 
@@ -198,6 +200,8 @@ class PeerWatch:
         self.host = socket.gethostname()
         self.peers: list[tuple[int, str]] = []  # (pid, host) by rank
         self.gone: dict[int, float] = {}  # rank -> when its process was found gone
+        self.stopped: dict[int, float] = {}  # rank -> since when its process is stopped (state T or t)
+        self.named_stopped: set[int] = set()
         self.launcher = os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else None
         self.failing = False  # the main thread reports the failure itself
         self.held = False
@@ -246,8 +250,30 @@ class PeerWatch:
                 os.kill(pid, 0)
             except ProcessLookupError:
                 self.gone[rank] = time.monotonic()
+                continue
             except PermissionError:
-                pass  # a pid reused by another user's process: it still exists
+                continue  # a pid reused by another user's process: it still exists
+            self._check_running(rank, pid)
+
+    def _check_running(self, rank: int, pid: int) -> None:
+        """A peer that exists but is stopped (SIGSTOP, Ctrl-Z, a debugger) holds every rank in its next
+        collective; name it once it has been stopped STOPPED_NOTICE_S, and again if it goes on."""
+        if _process_state(pid) not in ("T", "t"):
+            self.stopped.pop(rank, None)
+            self.named_stopped.discard(rank)
+            return
+        since = self.stopped.setdefault(rank, time.monotonic())
+        if rank not in self.named_stopped and time.monotonic() - since >= STOPPED_NOTICE_S:
+            self.named_stopped.add(rank)
+            self.log(f"{self.stopped_note()}: every other rank waits for it in its next collective; `kill -CONT "
+                     f"{self.peers[rank][0]}` lets it go on, or stop the job")
+
+    def stopped_note(self) -> str:
+        """Which peers of this host are stopped, and for how long ("" when none): for the watchdog's
+        message, so a stall is blamed on the rank that causes it."""
+        now = time.monotonic()
+        return "; ".join(f"{self.describe(r)} is stopped (state T: SIGSTOP, Ctrl-Z or a debugger) for "
+                         f"{now - since:.0f} s" for r, since in sorted(self.stopped.items()))
 
     def describe(self, rank: int) -> str:
         pid, host = self.peers[rank] if rank < len(self.peers) else ("?", "?")
@@ -281,6 +307,15 @@ class PeerWatch:
         where = f"rank(s) {ranks} on {sorted(hosts)}" if ranks else "another rank"
         return PeerLost(f"lost the connection to {where} ({_short(text)}): it ended while the job ran; "
                         "continue from the last checkpoint with --resume")
+
+
+def _process_state(pid: int) -> str:
+    """The one-letter state of a process of this host (/proc/<pid>/stat), "" when unknown."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[-1].split()[0] if ")" in stat else ""
 
 
 def _short(text: str) -> str:

@@ -194,3 +194,14 @@ def test_pitfall_5_one_template_and_thinking_mode_in_regeneration_training_eval_
     note = _requests_note(record)
     assert record["chat_template_sha256"] in note
     assert ('"enable_thinking": false' in note) is (thinking is False)
+
+
+def test_a_line_that_is_not_utf8_is_named_by_file_and_line_and_can_be_skipped(tmp_path):
+    """Issue 39: invalid UTF-8 in a JSONL failed without file:line and ignored data.skip_bad_rows."""
+    path = tmp_path / "d.jsonl"
+    good = json.dumps(OPENAI).encode() + b"\n"
+    path.write_bytes(good + b'{"messages": [{"role": "user", "content": "caf\xe9"}]}\n' + good)
+    with pytest.raises(DataError, match=r"d.jsonl:2: not UTF-8: byte 0xe9 at column \d+.*data.skip_bad_rows=true"):
+        read_conversations(str(path))
+    convs, bad = read_conversations(str(path), skip_bad_rows=True)
+    assert len(convs) == 2 and dict(bad.counts) == {"bad_utf8": 1}

@@ -156,3 +156,18 @@ def test_cli_eval_fails_clearly(tiny_qwen3_target, tiny_qwen3_dir, tmp_path, cap
     assert "target: loading" not in text
     rc = main(["eval", "--target", str(tiny_qwen3_dir)])
     assert rc == 2 and "dflash-train eval: FAILED: eval.drafter is not set" in capsys.readouterr().out
+
+
+def test_cli_eval_refuses_a_drafter_holding_a_nan_naming_the_tensor(tiny_qwen3_target, tiny_qwen3_dir, prompts_file,
+                                                                    tmp_path, capsys):
+    """Issue 39, defect 5: a drafter holding a NaN was evaluated and printed OK, tau 1.000."""
+    drafter = _drafter(tiny_qwen3_target.config, tiny_qwen3_target.tokenizer)
+    with torch.no_grad():
+        drafter.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+    drafter_dir = save_zlab(drafter, tmp_path / "drafter", dtype=torch.float32)
+    rc = main(["eval", "--drafter", str(drafter_dir), "--target", str(tiny_qwen3_dir), "--prompts", str(prompts_file),
+               "--num-prompts", "1", "--max-new-tokens", "4", "--out", str(tmp_path / "out"), "--device", "cpu",
+               "--no-progress"])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert rc == 1 and last.startswith("dflash-train eval: FAILED") and "layers.0.mlp.down_proj.weight" in last
+    assert "1 NaN" in last and not (tmp_path / "out" / "report.json").exists()

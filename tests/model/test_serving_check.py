@@ -206,6 +206,7 @@ def test_check_command_passes_and_prints_serve_commands(good_export, tiny_qwen3_
     output = capsys.readouterr().out
     assert f"vllm serve {tiny_qwen3_dir} " in output and '"num_speculative_tokens": 3' in output
     assert output.splitlines()[-1].startswith("dflash-train check: OK")
+    assert "check: vLLM 0.34.0: loads it as trained" in output and "check: SGLang 0.5.23: loads it as trained" in output
 
 
 def test_export_command_records_the_target_and_checks(good_export, tiny_qwen3_dir, tmp_path, capsys):
@@ -352,8 +353,9 @@ def test_pitfall_4_a_partial_rotary_target_trains_and_exports_the_rotation_it_is
 def test_dspark_keys_inside_dflash_config_are_what_vllm_refuses(tiny_qwen3_target, tiny_qwen3_dir, target, tmp_path):
     """vLLM 0.34's DSpark speculator runs its DFlash base first, which raises when
     `dflash_config.sample_from_anchor` is truthy (v1/worker/gpu/spec_decode/dflash/speculator.py); its
-    DSpark config reads the DSpark keys at the top level only (spec_decode/dspark/config.py). The export
-    writes them there, and check names both misplacements."""
+    DSpark model reads the DSpark keys at the top level only (models/qwen3_dspark.py), as SGLang's does
+    (models/dspark.py). The export writes them there; the old placement (all inside dflash_config) is
+    named key by key with the engines that refuse it."""
     cfg = drafter_config_from_target(tiny_qwen3_target.config, num_layers=2, block_size=4, mask_token_id=MASK_ID,
                                      num_taps=2, arch="dspark")
     drafter = build_drafter(dataclasses.replace(cfg, markov_rank=8))
@@ -362,6 +364,40 @@ def test_dspark_keys_inside_dflash_config_are_what_vllm_refuses(tiny_qwen3_targe
     config = json.loads((out / "config.json").read_text())
     assert config["sample_from_anchor"] is True and "sample_from_anchor" not in config["dflash_config"]
     assert check_drafter(out, target, trained=drafter) == []
-    config["dflash_config"]["sample_from_anchor"] = config.pop("sample_from_anchor")  # the old placement
+    for key in ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+                "sample_from_anchor"):  # the old placement
+        config["dflash_config"][key] = config.pop(key)
     (out / "config.json").write_text(json.dumps(config))
-    assert fields(check_drafter(out, target)) == {"dflash_config.sample_from_anchor", "sample_from_anchor"}
+    failures = {f.field: f for f in check_drafter(out, target, trained=drafter)}
+    assert failures["dflash_config.sample_from_anchor"].refused_by == ("vLLM",)
+    assert set(failures["markov_rank"].refused_by) == {"vLLM", "SGLang"}
+    assert failures["markov_head_type"].refused_by == ("SGLang",)
+    assert "enable_confidence_head" in failures and "vLLM" in failures["enable_confidence_head"].message
+
+
+def test_a_float16_tensor_in_a_bfloat16_export_fails_by_name(bad, target):
+    """Issue 39: `check` passed a float16 tensor in a bfloat16 export (both engines cast it into a
+    bfloat16 parameter without a word: vLLM model_loader/weight_utils.py default_weight_loader)."""
+    out, config, tensors, write = bad
+    assert config["dtype"] == "bfloat16"
+    tensors["layers.1.mlp.up_proj.weight"] = tensors["layers.1.mlp.up_proj.weight"].to(torch.float16)
+    failures = check_drafter(write(), target)
+    assert fields(failures) == {"weights.dtype"}
+    assert "layers.1.mlp.up_proj.weight is float16" in str(failures) and "bfloat16" in str(failures)
+
+
+def test_a_nan_in_an_export_fails_by_name(bad, target):
+    out, config, tensors, write = bad
+    tensors["norm.weight"][3] = float("nan")
+    failures = check_drafter(write(), target)
+    assert fields(failures) == {"weights.non_finite"} and "norm.weight" in str(failures)
+
+
+def test_check_command_says_which_engine_refuses_what(bad, tiny_qwen3_dir, capsys):
+    out, config, tensors, write = bad
+    config["dflash_config"]["sample_from_anchor"] = True  # refused by vLLM's DFlash speculator only
+    assert cli.main(["check", str(write()), "--target", str(tiny_qwen3_dir)]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("check: FAIL dflash_config.sample_from_anchor:") for line in lines)
+    assert "check: vLLM 0.34.0: would refuse to load it (dflash_config.sample_from_anchor)" in lines
+    assert "check: SGLang 0.5.23: would load it and serve it wrong (see the failures above)" in lines

@@ -145,3 +145,116 @@ def test_resume_past_a_corrupt_latest_ends_with_the_uninterrupted_weights(tiny_q
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     exported = load_file(str(run / "drafter" / "model.safetensors"))
     assert all(torch.isfinite(t).all() for t in exported.values())
+
+
+# --- links that do not lead to an intact checkpoint of this run (issue 39, defects 1 and 6) -------
+
+
+def test_a_dangling_latest_resumes_from_the_newest_intact_checkpoint_and_keeps_it(tmp_path, capsys):
+    """`latest` names a step directory that is gone (deleted, or lost with a node): the newest intact
+    checkpoint is taken and said, and the next save prunes nothing the run resumed from."""
+    ckpt = _saved(tmp_path, steps=(2, 4), keep_last=2)
+    import os
+
+    os.replace(ckpt.root / "step_00000004", tmp_path / "elsewhere")  # latest now dangles
+    point = ckpt.resume_point(True, WORLD_OF_ONE)
+    assert point is not None and point.path.name == "step_00000002"
+    out = capsys.readouterr().out
+    assert "latest" in out and "step_00000004" in out and "missing" in out and "starting fresh" not in out
+    ckpt.save(3, _state(), {"train": _progress(3)}, {})
+    ckpt.save(4, _state(), {"train": _progress(4)}, {})
+    assert sorted(p.name for p in ckpt.root.glob("step_*")) == ["step_00000003", "step_00000004"]
+
+
+@pytest.mark.parametrize("absolute", [True, False])
+def test_a_latest_pointing_outside_the_run_is_never_followed_nor_moved(tmp_path, capsys, absolute):
+    """`latest` (and `best`) pointing at a directory outside checkpoints/: not read, not moved into
+    damaged/, not pruned; the newest intact checkpoint of the run is taken and the link named."""
+    import os
+
+    precious = tmp_path / "users" / "precious"
+    precious.mkdir(parents=True)
+    (precious / "thesis.txt").write_text("mine")
+    ckpt = _saved(tmp_path / "run", steps=(2, 4))
+    for link in ("latest", "best"):
+        (ckpt.root / link).unlink(missing_ok=True)
+        os.symlink(precious if absolute else os.path.relpath(precious, ckpt.root), ckpt.root / link)
+    point = ckpt.resume_point(True, WORLD_OF_ONE)
+    assert point.path.name == "step_00000004"
+    out = capsys.readouterr().out
+    assert "outside" in out and str(precious) in out
+    assert (precious / "thesis.txt").read_text() == "mine" and not (ckpt.root / "damaged").exists()
+    assert ckpt.intact_best(print).name == "step_00000004"
+    ckpt.save(6, _state(), {"train": _progress(6)}, {}, sim_tau=1.0)
+    assert (precious / "thesis.txt").read_text() == "mine"
+
+
+def test_a_step_directory_that_is_a_link_out_of_the_run_is_never_read_moved_or_pruned(tmp_path, capsys):
+    import os
+
+    precious = tmp_path / "users" / "precious"
+    precious.mkdir(parents=True)
+    (precious / "thesis.txt").write_text("mine")
+    ckpt = _saved(tmp_path / "run", steps=(2,), keep_last=1)
+    os.symlink(precious, ckpt.root / "step_00000009")
+    (ckpt.root / "latest").unlink()  # the run's checkpoints found by their names alone
+    point = ckpt.resume_point(True, WORLD_OF_ONE)
+    assert point.path.name == "step_00000002"
+    for step in (3, 4, 5):
+        ckpt.save(step, _state(), {"train": _progress(step)}, {})
+    assert (precious / "thesis.txt").read_text() == "mine" and (ckpt.root / "step_00000009").is_symlink()
+
+
+def test_every_checkpoint_damaged_starts_fresh_with_a_warning_not_a_plain_ok(tmp_path, capsys):
+    ckpt = _saved(tmp_path, steps=(2, 4))
+    for step in (2, 4):
+        _overwrite_middle(ckpt.root / f"step_0000000{step}" / "trainer.pt")
+    assert ckpt.resume_point(True, WORLD_OF_ONE) is None
+    assert len(ckpt.warnings) == 1 and "step_00000002" in ckpt.warnings[0] and "step_00000004" in ckpt.warnings[0]
+    assert "damaged" in ckpt.warnings[0] and "started fresh" in ckpt.warnings[0]
+
+
+def test_a_trainer_file_that_is_not_a_tensor_pickle_is_named_and_never_loaded_unsafely(tmp_path, capsys):
+    """Issue 39: a checkpoint whose trainer.pt is some other pickle (or garbage), with no records to
+    catch it (an older version's meta.json), gave a traceback advising weights_only=False."""
+    import datetime
+    import json
+    import pickle
+
+    ckpt = _saved(tmp_path, steps=(2, 4))
+    step4 = ckpt.root / "step_00000004"
+    meta = json.loads((step4 / "meta.json").read_text())
+    meta.pop("files")  # as an older version wrote it
+    (step4 / "meta.json").write_text(json.dumps(meta))
+    (step4 / "trainer.pt").write_bytes(pickle.dumps({"train": datetime.datetime(2026, 1, 1)}))
+    with pytest.raises(CheckpointDamaged) as refused:
+        ckpt.resume_point(str(step4), WORLD_OF_ONE)
+    assert "trainer.pt is not a checkpoint this trainer wrote" in str(refused.value)
+    assert "weights_only set to False" not in str(refused.value)
+    point = ckpt.resume_point(True, WORLD_OF_ONE)
+    out = capsys.readouterr().out
+    assert point.path.name == "step_00000002" and "trainer.pt is not a checkpoint" in out
+    (ckpt.root / "step_00000002" / "trainer.pt").write_bytes(b"hello world")  # garbage, and no record either
+    meta2 = json.loads((ckpt.root / "step_00000002" / "meta.json").read_text())
+    meta2.pop("files")
+    (ckpt.root / "step_00000002" / "meta.json").write_text(json.dumps(meta2))
+    assert ckpt.resume_point(True, WORLD_OF_ONE) is None and "not a checkpoint" in capsys.readouterr().out
+
+
+def test_resume_with_every_checkpoint_damaged_ends_with_a_warning_verdict(tiny_qwen3_dir, tmp_path, contained, capsys):
+    """Issue 39: both checkpoints damaged ended "starting fresh" with a plain OK verdict."""
+    from golden.loop_golden import OVERRIDES
+
+    from dflash_train import cli
+
+    run = tmp_path / "run"
+    argv = ["train", "--recipe", "tiny", f"target.model={tiny_qwen3_dir}", *OVERRIDES, f"train.out_dir={run}",
+            "train.max_steps=4", "train.ckpt_every=2", "train.eval_every=2", "train.keep_last=2"]
+    assert cli.main(argv) == 0
+    for step in (2, 4):
+        _overwrite_middle(run / "checkpoints" / f"step_0000000{step}" / "trainer.pt")
+    capsys.readouterr()
+    assert cli.main(argv + ["--resume"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("dflash-train train: WARNING started fresh: every checkpoint under")
+    assert "step_00000004, step_00000002" in last and "damaged" in last

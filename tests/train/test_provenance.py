@@ -223,3 +223,27 @@ def test_a_changed_drafter_is_refused_naming_its_field(tiny_qwen3_dir, tiny_qwen
     with pytest.raises(ProvenanceMismatch, match=r"drafter: num_layers: 1 -> 2") as refused:
         Provenance(now, (), print).load_state_dict(saved)
     assert "sha256" not in str(refused.value)
+
+
+def test_an_architecture_change_is_refused_naming_the_weights_even_when_allowed(tiny_qwen3_dir, tiny_qwen3_target):
+    """Issue 39: `train.allow_changed=drafter`, suggested after dflash -> dspark, crashed in
+    load_state_dict. A drafter whose weights change is refused with the tensors named and no
+    allow_changed suggestion; a change that keeps the weights (rope_theta) is suggested and goes on."""
+    import dataclasses
+
+    samples = [Sample("a", (1, 2, 3), (0, 1, 1))]
+    cfg = _target_cfg(tiny_qwen3_dir)
+    saved = fingerprints(cfg, tiny_qwen3_target, _drafter_cfg(), samples)
+    dspark = fingerprints(cfg, tiny_qwen3_target, dataclasses.replace(_drafter_cfg(), arch="dspark"), samples)
+    for allowed in ((), ("drafter",)):
+        with pytest.raises(ProvenanceMismatch) as refused:
+            Provenance(dspark, allowed, print).load_state_dict(saved)
+        message = str(refused.value)
+        assert "arch: 'dflash' -> 'dspark'" in message and "markov_head.markov_w1.weight" in message
+        assert "to resume anyway" not in message and "cannot change on resume" not in message
+    theta = fingerprints(cfg, tiny_qwen3_target, dataclasses.replace(_drafter_cfg(), rope_theta=5e5), samples)
+    with pytest.raises(ProvenanceMismatch, match="to resume anyway, knowingly: train.allow_changed=drafter"):
+        Provenance(theta, (), print).load_state_dict(saved)
+    warnings = []
+    Provenance(theta, ("drafter",), warnings.append).load_state_dict(saved)
+    assert "WARNING resume: drafter changed" in warnings[0]

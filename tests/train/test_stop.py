@@ -161,3 +161,30 @@ def test_a_killed_rank_is_named_by_the_others(reference, tmp_path, capsys):
     assert problems == [], problems
     log = (tmp_path / "run.log").read_text()
     assert "FAILED on rank 2: rank 0 (target, pid" in log and "ended while the job ran" in log
+
+
+@pytest.mark.slow
+def test_a_stopped_drafter_rank_is_named_not_its_peers(reference, tmp_path):
+    """Issue 39: a drafter rank frozen by SIGSTOP was never named; its peers' watchdogs blamed
+    themselves. The others name it (pid, role) while they wait, and their watchdog says it is the cause."""
+    from bench.chaos import env, job, last_step, workers
+
+    layout, _ = reference
+    out = tmp_path / "run"
+    with open(tmp_path / "run.log", "w") as log:
+        proc = subprocess.Popen(job(out, layout, "train.watchdog_seconds=20"), env=env(), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            while last_step(out) < 3 and proc.poll() is None:
+                time.sleep(0.2)
+            pid = workers(proc.pid)[2]
+            os.kill(pid, signal.SIGSTOP)
+            proc.wait(timeout=240)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # what is left of the job (a stopped process included)
+            except ProcessLookupError:
+                pass
+    text = (tmp_path / "run.log").read_text()
+    assert f"rank 2 (drafter, pid {pid} on " in text and "is stopped (state T" in text, text[-3000:]
+    assert any("WATCHDOG" in line and f"the cause: rank 2 (drafter, pid {pid}" in line for line in text.splitlines())
