@@ -24,7 +24,7 @@ ALIASES = (Alias("--drafter", "check.drafter"), Alias("--target", "target.model"
 
 
 def run(cfg) -> str | Verdict:
-    # torch and the model code load here only (see commands/__init__.py)
+    # the model code loads here only (see commands/__init__.py)
     from dflash_train.model.hf_format import TRAINED_AGAINST
     from dflash_train.model.serving_check import check_drafter, engine_notes, serve_instructions
     from dflash_train.model.target_identity import describe_target

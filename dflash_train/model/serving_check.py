@@ -30,10 +30,11 @@ from pathlib import Path
 import torch
 
 from dflash_train.model import engine_view
-from dflash_train.model.architectures import ARCHITECTURES, arch_of_architectures, build_drafter
+from dflash_train.model.architectures import PLAIN, build_drafter, head, head_of_config
 from dflash_train.model.attention import MaskSpec, build_training_masks
 from dflash_train.model.config import DrafterConfig, last_layer_tap_problem, rope_theta_of
 from dflash_train.model.drafter import DFlashDrafter
+from dflash_train.model.head import SGLANG, VLLM, Engine
 from dflash_train.model.hf_format import TRAINED_AGAINST, TRAINING_INPUT, drafter_config_from_zlab, load_zlab
 from dflash_train.model.scaling import Scaling, scale_embeddings, scale_logits, scaling_problems, target_scaling
 from dflash_train.model.target_identity import TargetInfo, safetensors_shapes, serve_note
@@ -88,7 +89,7 @@ def check_drafter(drafter_dir: str | Path, target: TargetInfo | None = None,
         cfg = drafter_config_from_zlab(d, str(drafter_dir / "config.json"))
     except (ValueError, TypeError) as e:
         return failures + [Failure("config", f"the trainer cannot read it: {e}")] + identity
-    failures += check_engine_view(drafter_dir, d, cfg)
+    failures += check_engines(cfg) + check_engine_view(drafter_dir, d, cfg)
     if trained is not None:
         failures += check_training(cfg, trained.config)
     failures += check_weights(shapes, cfg, skip_fc=any(f.field.endswith("target_layer_ids") for f in failures))
@@ -101,7 +102,7 @@ def check_config(d: dict, shapes: dict, target: TargetInfo | None) -> list[Failu
     """The config keys the engines act on, as they read them."""
     out = []
     try:
-        arch_of_architectures(d.get("architectures"))
+        head_of_config(d)
     except ValueError as e:
         out.append(Failure("architectures", f"{e}: vLLM and SGLang pick their drafter class by this name"))
     if d.get("model_type") != "qwen3":
@@ -123,29 +124,39 @@ def check_config(d: dict, shapes: dict, target: TargetInfo | None) -> list[Failu
 
 
 def _check_arch_keys(d: dict, dflash: dict) -> list[Failure]:
-    """The architecture's own keys where the engines read them (`Architecture.top_level` says where and
-    why): DFlash 2's four in dflash_config (vLLM raises a KeyError without them), DSpark's at the top
-    level (vLLM reads them nowhere else), and its constants (vLLM builds only the vanilla head). A truthy
-    `dflash_config.sample_from_anchor` is refused for every drafter: vLLM's DFlash speculator, which its
-    DSpark speculator runs first, raises on it (v1/worker/gpu/spec_decode/dflash/speculator.py)."""
+    """The head's own keys where the engines read them (its file's `HEAD.export` says where and why), and
+    its constants. A truthy `dflash_config.sample_from_anchor` is refused for every drafter: vLLM's DFlash
+    speculator, which its DSpark speculator runs first, raises on it
+    (v1/worker/gpu/spec_decode/dflash/speculator.py)."""
     out = []
     if dflash.get("sample_from_anchor"):
         out.append(Failure("dflash_config.sample_from_anchor", "true here: vLLM refuses the drafter "
-                           "('sample_from_anchor=True is not supported for DFlash'); DSpark writes it at the "
-                           "top level, where vLLM and SGLang read it"))
+                           "('sample_from_anchor=True is not supported for DFlash'); a head that drafts from the "
+                           "anchor writes it at the top level, where vLLM and SGLang read it"))
     try:
-        spec = ARCHITECTURES[arch_of_architectures(d.get("architectures") or ["DFlashDraftModel"])]
+        export = head_of_config(d, absent=PLAIN).export
     except ValueError:
         return out  # named by the architectures check
-    where, prefix = (d, "") if spec.top_level else (dflash, "dflash_config.")
-    for key in spec.dflash_keys + tuple(k for k, _ in spec.constants):
+    where, prefix = (d, "") if export.top_level else (dflash, "dflash_config.")
+    for key in export.written():
         if key not in where:
             out.append(Failure(prefix + key, "missing: the engines read it there"))
-    for key, want in spec.constants:
+    for key, want in export.constants:
         got = [place[key] for place in (dflash, d) if key in place]
         if any(g != want for g in got):
             out.append(Failure(key, f"{got} but this drafter is {want!r}: the engines would build another head"))
     return out
+
+
+def check_engines(cfg: DrafterConfig) -> list[Failure]:
+    """A drafter no engine serves (its head's `Engine`s, with the refusals of its settings) is for training
+    and our eval only: exporting or checking it for serving fails, naming each engine's reason."""
+    served = head(cfg.arch).served(cfg)
+    if any(not e.refused for e in served):
+        return []
+    why = "; ".join(f"{e.name}: {e.refused}" for e in served)
+    return [Failure("architectures", f"no engine serves this {cfg.arch} drafter ({why}): it trains and evaluates "
+                                     "here only")]
 
 
 def _check_vocab_and_mask(d: dict, dflash: dict, target: TargetInfo | None) -> list[Failure]:
@@ -264,13 +275,16 @@ ENGINE_SCALING_SUPPORT = {
 
 
 def engine_notes(drafter_dir: str | Path) -> list[str]:
-    """For each scaling field the drafter sets (not the identity), how the engines treat it: what to
-    check before serving it there (each line names the field and the engines)."""
+    """An engine that does not serve the drafter's head (and why), and for each scaling field the drafter
+    sets (not the identity) how the engines treat it: what to check before serving it there."""
     d = json.loads((Path(drafter_dir) / "config.json").read_text())
+    cfg = drafter_config_from_zlab(d, str(Path(drafter_dir) / "config.json"))
+    refused = [f"{e.name} does not serve this {cfg.arch} drafter: {e.refused}"
+               for e in head(cfg.arch).served(cfg) if e.refused]
     values = _drafter_scaling(d, d.get("dflash_config") or {})
     set_fields = {k: v for k, v in values.items() if not _same(v, Scaling().as_dict()[k])}
-    return [f"dflash_config.{name}={value}: z-lab's dflash applies it; {ENGINE_SCALING_SUPPORT[name]}"
-            for name, value in set_fields.items()]
+    return refused + [f"dflash_config.{name}={value}: z-lab's dflash applies it; {ENGINE_SCALING_SUPPORT[name]}"
+                      for name, value in set_fields.items()]
 
 
 def check_engine_view(drafter_dir: Path, d: dict, cfg: DrafterConfig) -> list[Failure]:
@@ -430,18 +444,30 @@ def _requests_note(record) -> str:
 
 
 def serve_instructions(drafter_dir: str | Path) -> str:
-    """Serve commands for an exported drafter, naming the target it was trained against, the engines'
-    method for its architecture and the drafted tokens per step (vLLM never reads block_size)."""
+    """Serve commands for an exported drafter, naming the target it was trained against, each engine's
+    method for its head (or why that engine does not serve it) and the drafted tokens per step (vLLM
+    never reads block_size)."""
     d = json.loads((Path(drafter_dir) / "config.json").read_text())
     dflash = d.get("dflash_config") or {}
-    block_size = dflash.get("block_size", d.get("block_size"))
-    arch = ARCHITECTURES[arch_of_architectures(d.get("architectures") or ["DFlashDraftModel"])]
-    drafted = arch.drafted(block_size)
+    cfg = drafter_config_from_zlab(d, str(Path(drafter_dir) / "config.json"))
+    drafted = head(cfg.arch).module.drafted(cfg.block_size)
     rec = dflash.get(TRAINED_AGAINST)
     target = rec["serve"] if isinstance(rec, dict) and rec.get("serve") else "TARGET"
-    spec = json.dumps({"method": arch.vllm_method, "model": str(drafter_dir), "num_speculative_tokens": drafted})
+    lines = [_serve_line(e, target, drafter_dir, drafted) for e in head(cfg.arch).served(cfg)]
     return (f"serve it with (target: {serve_note(rec)}):\n{_requests_note(dflash.get(TRAINING_INPUT))}"
-            f"  vLLM:   vllm serve {target} --speculative-config '{spec}' --attention-backend flash_attn\n"
-            f"  SGLang: python -m sglang.launch_server --model-path {target} --speculative-algorithm "
-            f"{arch.sglang_algorithm} --speculative-draft-model-path {drafter_dir} --speculative-num-draft-tokens "
-            f"{drafted + 1}")
+            + "\n".join(lines))
+
+
+def _serve_line(engine: Engine, target: str, drafter_dir, drafted: int) -> str:
+    if engine.refused:
+        return f"  {engine.name + ':':<7} not served: {engine.refused}"
+    tokens = drafted + engine.extra_tokens
+    flags = f" {engine.flags}" if engine.flags else ""
+    if engine.name == VLLM:
+        spec = json.dumps({"method": engine.method, "model": str(drafter_dir), "num_speculative_tokens": tokens})
+        return f"  vLLM:   vllm serve {target} --speculative-config '{spec}' --attention-backend flash_attn{flags}"
+    if engine.name == SGLANG:
+        return (f"  SGLang: python -m sglang.launch_server --model-path {target} --speculative-algorithm "
+                f"{engine.method} --speculative-draft-model-path {drafter_dir} --speculative-num-draft-tokens "
+                f"{tokens}{flags}")
+    raise ValueError(f"engine {engine.name!r}: no serve command known")

@@ -2,9 +2,10 @@
 
 The split (`muon_split`, speculators' rule, `../shared/docs/dflash2-and-2026-recipe.md` section 4):
 Muon takes every trainable 2-D parameter with min(dim) > 1 whose name contains none of
-`MUON_EXCLUDED` (the decoder's projections, `fc`, DFlash 2's `kernel_projection` and
-`hidden_projection`); AdamW takes norms, biases, other shapes (a 3-D `base_kernel`), codebooks,
-Markov tables and anything named after the target's embedding or lm_head.
+`MUON_EXCLUDED` nor a word a drafter head keeps out (`Head.outside_muon`: DFlash 2's codebooks,
+DSpark's Markov head; the decoder's projections, `fc`, DFlash 2's `kernel_projection` and
+`hidden_projection` go to Muon); AdamW takes norms, biases, other shapes (a 3-D `base_kernel`), the
+heads' tables and anything named after the target's embedding or lm_head.
 
 Muon is torch's own `torch.optim.Muon` (momentum 0.95 Nesterov, 5 Newton-Schulz steps in bf16,
 torch's coefficients) with `adjust_lr_fn="match_rms_adamw"`: each matrix's step is scaled by
@@ -31,16 +32,19 @@ import re
 
 import torch
 
-MUON_EXCLUDED = ("embed_tokens", "lm_head", "codebook", "markov")
+from dflash_train.model.architectures import outside_muon
+
+MUON_EXCLUDED = ("embed_tokens", "lm_head")  # the target's tables, should they ever be trained
 
 
 def muon_split(named_params) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
     """(Muon's, AdamW's) trainable (name, parameter) pairs, in module order (rule: module doc)."""
+    excluded = MUON_EXCLUDED + outside_muon()  # what each registered head keeps out of Muon
     muon, adamw = [], []
     for name, p in named_params:
         if not p.requires_grad:
             continue
-        hidden_matrix = p.ndim == 2 and min(p.shape) > 1 and not any(word in name for word in MUON_EXCLUDED)
+        hidden_matrix = p.ndim == 2 and min(p.shape) > 1 and not any(word in name for word in excluded)
         (muon if hidden_matrix else adamw).append((name, p))
     return muon, adamw
 
