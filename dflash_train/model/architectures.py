@@ -10,12 +10,12 @@ choices and the tests' parametrisations. Nothing else asks which head trains.
 
 from __future__ import annotations
 
-from dflash_train.model import dflash2, drafter, dspark
+from dflash_train.model import dflash2, domino, drafter, dspark
 from dflash_train.model.drafter import DFlashDrafter
 from dflash_train.model.drafter_shape import DrafterShape
 from dflash_train.model.head import Head
 
-HEADS: dict[str, Head] = {h.name: h for h in (drafter.HEAD, dflash2.HEAD, dspark.HEAD)}
+HEADS: dict[str, Head] = {h.name: h for h in (drafter.HEAD, dflash2.HEAD, dspark.HEAD, domino.HEAD)}
 """Name -> head, in the order the CLI lists them."""
 HEAD_NAMES = tuple(HEADS)
 SETTINGS = tuple(h.settings for h in HEADS.values() if h.settings is not None)
