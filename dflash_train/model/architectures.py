@@ -1,7 +1,7 @@
 """The registry of drafter heads: the one list every consumer derives the heads from.
 
 Each head is one file that declares everything about itself (model/head.py: `Head`); adding a head
-is its file and one entry below. From this list come the config tree's `drafter.arch` choices and
+is its file, its import and its entry below. From this list come the config tree's `drafter.arch` choices and
 `drafter.*` head settings (config.py, model/config.py), their checks (validate.py), the block a head
 is published with, the parameters Muon leaves to AdamW (train/muon.py), the plan's parameter counts
 (plan.py), the export and `check` rules (model/hf_format.py, model/serving_check.py), the benches'
@@ -87,11 +87,6 @@ def head_of_config(d: dict, source: str = "config.json", absent: tuple[str, ...]
         return max(marked, key=lambda h: len(h.export.marks))
     known = ", ".join(f"{list(h.export.architectures)}" for h in HEADS.values())
     raise ValueError(f"{source}: architectures {names!r} is not a drafter this trainer reads ({known})")
-
-
-def arch_of_architectures(names, source: str = "config.json") -> str:
-    """The head name of an `architectures` list alone (a config without marks)."""
-    return head_of_config({"architectures": list(names or [])}, source).name
 
 
 PLAIN = ("DFlashDraftModel",)

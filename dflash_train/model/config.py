@@ -10,14 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from dflash_train.model.architectures import HEADS, SETTINGS, head, others_at_defaults, setting_problems
+from dflash_train.model.architectures import SETTINGS, head, others_at_defaults, setting_problems
 from dflash_train.model.attention import FULL, SLIDING
 from dflash_train.model.drafter_shape import DrafterShape
 from dflash_train.model.scaling import Scaling, scaling_problems, target_scaling
 from dflash_train.model.taps import build_target_layer_ids
-
-ARCHS = tuple(HEADS)
-"""Drafter heads (`arch`); model/architectures.py is the registry."""
 
 
 @dataclass(frozen=True, kw_only=True)

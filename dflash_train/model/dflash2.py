@@ -217,5 +217,4 @@ HEAD = Head(
                                                       "selector_top_k"))),
     engines=(Engine(VLLM, "dflash"), Engine(SGLANG, "DFLASH", extra_tokens=1)),
     problems=_problems, parameters=_parameters, outside_muon=("codebook",), small=(("selector_rank", 16),),
-    about="z-lab's DFlash 2: dynamic convolutions and a top-k candidate selector on the previous token",
 )

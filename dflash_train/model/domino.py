@@ -161,5 +161,4 @@ HEAD = Head(
              Engine(SGLANG, "DFLASH", extra_tokens=1, flags="--speculative-domino-candidate-pool-size 0")),
     problems=_problems, parameters=_parameters, outside_muon=("prefix_gru", "embed_proj.2"),
     small=(("domino_gru_dim", 32), ("domino_emb_dim", 16)),
-    about="Domino: a GRU over the tokens drafted before and a correction MLP on the logits",
 )

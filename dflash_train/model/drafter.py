@@ -307,5 +307,4 @@ HEAD = Head(
     name="dflash", module=DFlashDrafter, published_block=16,  # the paper's block
     export=Export(("DFlashDraftModel",), speculators_type="dflash"),
     engines=(Engine(VLLM, "dflash"), Engine(SGLANG, "DFLASH", extra_tokens=1)),
-    about="the paper's drafter: slots 1..B-1 each draft the argmax of the target's lm_head",
 )

@@ -186,12 +186,11 @@ HEAD = Head(
     # refuses a truthy `dflash_config.sample_from_anchor` (v1/worker/gpu/spec_decode/dflash/speculator.py);
     # SGLang reads `markov_rank` and `markov_head_type` from either place, `sample_from_anchor` from the
     # top level only; DeepSeek's DeepSpec exporter writes them all at the top level.
-    export=Export(("Qwen3DSparkModel",), keys=(("markov_rank", "markov_rank"), ("markov_head_type", "markov_head_type")),
+    export=Export(("Qwen3DSparkModel",),
+                  keys=(("markov_rank", "markov_rank"), ("markov_head_type", "markov_head_type")),
                   constants=(("enable_confidence_head", True), ("confidence_head_with_markov", True),
                              ("sample_from_anchor", True)),
                   top_level=True, also_read=(("DSparkDraftModel",),)),
     engines=(Engine(VLLM, "dspark"), Engine(SGLANG, "DSPARK", extra_tokens=1)), refusals=_refusals,
     problems=_problems, parameters=_parameters, outside_muon=("markov",), small=(("markov_rank", 16),),
-    about="DeepSeek's DSpark: a Markov bias on the previous token and a confidence head, drafting from the "
-          "anchor's slot too",
 )

@@ -97,8 +97,6 @@ class Head:
     """Words in the names of its parameters that AdamW keeps (tables over the vocabulary, recurrences)."""
     small: tuple[tuple[str, object], ...] = ()
     """Settings that make it small for smoke runs, tests and `--small` benches."""
-    about: str = ""
-    """One line: what it adds to DFlash."""
 
     def setting_names(self) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(self.settings)) if self.settings else ()

@@ -124,6 +124,14 @@ def _arch_fields(d: dict, dflash: dict, arch: str, source: str) -> dict:
     return {name: dflash.get(key, d.get(key)) for key, name in export.keys if dflash.get(key, d.get(key)) is not None}
 
 
+def read_head(d: dict, source: str = "config.json"):
+    """(the head a config.json describes, its settings as written there: an instance of its settings
+    dataclass, absent keys at their defaults; None for a head without settings)."""
+    h = head_of_config(d, source, absent=PLAIN)
+    fields = _arch_fields(d, d.get("dflash_config") or {}, h.name, source)
+    return h, (h.settings(**fields) if h.settings else None)
+
+
 def _causal_keys(cfg: DrafterConfig, key: str) -> dict:
     """`is_causal: false` (and `dflash_config.causal: false`) for a non-causal window: without it the
     engines make sliding-window layers causal inside the block (vLLM `_dflash_layer_causal`: explicit

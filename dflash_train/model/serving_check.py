@@ -35,7 +35,8 @@ from dflash_train.model.attention import MaskSpec, build_training_masks
 from dflash_train.model.config import DrafterConfig, last_layer_tap_problem, rope_theta_of
 from dflash_train.model.drafter import DFlashDrafter
 from dflash_train.model.head import SGLANG, VLLM, Engine
-from dflash_train.model.hf_format import TRAINED_AGAINST, TRAINING_INPUT, drafter_config_from_zlab, load_zlab
+from dflash_train.model.hf_format import (TRAINED_AGAINST, TRAINING_INPUT, drafter_config_from_zlab, load_zlab,
+                                          read_head)
 from dflash_train.model.scaling import Scaling, scale_embeddings, scale_logits, scaling_problems, target_scaling
 from dflash_train.model.target_identity import TargetInfo, safetensors_shapes, serve_note
 
@@ -278,9 +279,8 @@ def engine_notes(drafter_dir: str | Path) -> list[str]:
     """An engine that does not serve the drafter's head (and why), and for each scaling field the drafter
     sets (not the identity) how the engines treat it: what to check before serving it there."""
     d = json.loads((Path(drafter_dir) / "config.json").read_text())
-    cfg = drafter_config_from_zlab(d, str(Path(drafter_dir) / "config.json"))
-    refused = [f"{e.name} does not serve this {cfg.arch} drafter: {e.refused}"
-               for e in head(cfg.arch).served(cfg) if e.refused]
+    h, settings = read_head(d, str(Path(drafter_dir) / "config.json"))
+    refused = [f"{e.name} does not serve this {h.name} drafter: {e.refused}" for e in h.served(settings) if e.refused]
     values = _drafter_scaling(d, d.get("dflash_config") or {})
     set_fields = {k: v for k, v in values.items() if not _same(v, Scaling().as_dict()[k])}
     return refused + [f"dflash_config.{name}={value}: z-lab's dflash applies it; {ENGINE_SCALING_SUPPORT[name]}"
@@ -449,11 +449,11 @@ def serve_instructions(drafter_dir: str | Path) -> str:
     never reads block_size)."""
     d = json.loads((Path(drafter_dir) / "config.json").read_text())
     dflash = d.get("dflash_config") or {}
-    cfg = drafter_config_from_zlab(d, str(Path(drafter_dir) / "config.json"))
-    drafted = head(cfg.arch).module.drafted(cfg.block_size)
+    h, settings = read_head(d, str(Path(drafter_dir) / "config.json"))
+    drafted = h.module.drafted(dflash.get("block_size", d.get("block_size")))
     rec = dflash.get(TRAINED_AGAINST)
     target = rec["serve"] if isinstance(rec, dict) and rec.get("serve") else "TARGET"
-    lines = [_serve_line(e, target, drafter_dir, drafted) for e in head(cfg.arch).served(cfg)]
+    lines = [_serve_line(e, target, drafter_dir, drafted) for e in h.served(settings)]
     return (f"serve it with (target: {serve_note(rec)}):\n{_requests_note(dflash.get(TRAINING_INPUT))}"
             + "\n".join(lines))
 

@@ -88,7 +88,8 @@ def drafter_hidden(model, batch: dict, ctx: StepContext) -> torch.Tensor:
     input_ids, anchors, keep, taps = batch["input_ids"], batch["anchors"], batch["keep"], batch["taps"]
     seq_len, num_anchors = input_ids.shape[1], anchors.shape[1]
     dcfg = ctx.drafter
-    block_embeds = embed_tokens(ctx, block_inputs(input_ids, anchors, dcfg.block_size, dcfg.mask_token_id))  # [b, N*B, H]
+    ids = block_inputs(input_ids, anchors, dcfg.block_size, dcfg.mask_token_id)  # [b, N*B]
+    block_embeds = embed_tokens(ctx, ids)  # [b, N*B, H]
     spec = MaskSpec(seq_len, dcfg.block_size, num_anchors, dcfg.sliding_window, dcfg.window_causal)
     masks = build_training_masks(spec, dcfg.layer_types, anchors, keep, ctx.backend,
                                  persistent=ctx.persistent_masks)
