@@ -438,16 +438,32 @@ def frozen_embeddings(vocab: int, hidden: int, device: torch.device, dtype: torc
     return embed, lm_head
 
 
-def flops_for(tcfg, dcfg, *, seq_len: int, num_anchors: int, batch: int, mean_ctx: float | None = None) -> dict:
-    """`bench/flops.py::dflash_flops` for these configs."""
+def flops_for(tcfg, dcfg, *, seq_len: int, num_anchors: int, batch: int, mean_ctx: float | None = None,
+              teacher: bool = False) -> dict:
+    """`bench/flops.py::dflash_flops` for these configs: DFlash's count (`drafter["train"]`) and the
+    architecture's own (`drafter["train_arch"]`: DSpark's B drafted rows, Markov bias and confidence
+    head; the target's logits of a KL/TV loss with `teacher`)."""
     from bench.flops import dflash_flops
 
+    arch = getattr(dcfg, "arch", "dflash")
     return dflash_flops(hidden=tcfg.hidden_size, num_heads=tcfg.num_attention_heads,
                         num_kv_heads=tcfg.num_key_value_heads, head_dim=tcfg.head_dim,
                         intermediate=dcfg.intermediate_size, vocab=tcfg.vocab_size, drafter_layers=dcfg.num_layers,
                         seq_len=seq_len, num_anchors=num_anchors, block_size=dcfg.block_size,
                         target_layers=tcfg.num_hidden_layers, tap_layers=dcfg.target_layer_ids, batch=batch,
-                        mean_context=mean_ctx, tied_embeddings=bool(tcfg.tie_word_embeddings))
+                        mean_context=mean_ctx, tied_embeddings=bool(tcfg.tie_word_embeddings),
+                        drafted=dcfg.block_size if arch == "dspark" else None, teacher=teacher,
+                        markov_rank=dcfg.markov_rank if arch == "dspark" else 0)
+
+
+def muon_flops(dcfg, iterations: int, iteration: str = "newton_schulz") -> float:
+    """Newton-Schulz FLOPs of one Muon step over the drafter's hidden matrices (`bench/flops.py`), the
+    Gram form's where `iteration` is gram."""
+    from bench.flops import drafter_matrix_shapes, newton_schulz_flops
+
+    shapes = drafter_matrix_shapes(dcfg.hidden_size, dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim,
+                                   dcfg.intermediate_size, dcfg.num_layers, dcfg.num_taps)
+    return newton_schulz_flops(shapes, iterations, iteration)
 
 
 def compile_counters() -> dict:

@@ -6,8 +6,10 @@ compiled-vs-eager speed of the training attention.
     python bench/drafter_step.py --attention sdpa                  # dense-mask SDPA instead of flex
     python bench/drafter_step.py --small                           # tiny shapes, CPU, seconds
     python bench/drafter_step.py --precision fp8 --fp8-recipe rowwise   # float8 linears (torchao, sm89+)
-    python bench/drafter_step.py --optim muon                      # torch's Muon for the hidden matrices
+    python bench/drafter_step.py --optim muon                      # Muon for the hidden matrices (train/muon.py)
     python bench/drafter_step.py --micro-batches 8                 # 8 micro-batches per step (float32 sums)
+    python bench/drafter_step.py --arch dspark --block-size 8 --loss tv --profile 3   # where DSpark's step goes
+    python bench/drafter_table.py ...                              # several arms (and an older tree) in one call
 
 It runs the package's real step: `parallelize` (torch.compile of the drafter), `train_step`
 (analytic BlockMask, bf16 autocast, chunked lm_head + CE, clip, AdamW) on random weights and random
@@ -70,6 +72,11 @@ def parse(argv=None):
     p.add_argument("--fp8-filter", choices=("auto", "all"), default="auto",
                    help="with --precision fp8: which linears convert (train.fp8_filter: auto = torchao's size rule)")
     p.add_argument("--optim", choices=("adamw", "muon"), default="adamw", help="optim.name (default adamw)")
+    p.add_argument("--muon-iteration", choices=("newton_schulz", "polar_express", "gram"),
+                   default=DEFAULTS.optim.muon_iteration,
+                   help=f"optim.muon_iteration: how --optim muon orthogonalises (default {DEFAULTS.optim.muon_iteration})")
+    p.add_argument("--muon-ns-steps", type=int, default=DEFAULTS.optim.muon_ns_steps,
+                   help=f"optim.muon_ns_steps (default {DEFAULTS.optim.muon_ns_steps})")
     p.add_argument("--micro-batches", type=int, default=1,
                    help="micro-batches per optimizer step (the same one repeated; > 1 sums the bf16 gradients "
                         "in float32, train/grads.py); tokens and FLOPs count all of them")
@@ -165,6 +172,10 @@ def main(argv=None) -> int:
             b.figure("tokens_per_s", tokens / med, "sequence tokens S per second")
             b.figure("drafter_tflops_achieved", k * st["flops"]["drafter"]["train"] / med / 1e12)
             C.report_mfu(b, st, k * st["flops"]["drafter"]["train"] / med, "drafter train FLOPs")
+            arch_flops = k * st["flops"]["drafter"]["train_arch"] + st.get("muon_flops", 0.0)
+            if "peak" in st:
+                b.figure("mfu_arch", arch_flops / med / st["peak"], "vs measured bf16 peak, the architecture's "
+                         "FLOPs (DSpark's B rows, bias, teacher logits) and Muon's Newton-Schulz")
             if device.type == "cuda":
                 b.figure("mfu_vs_790", k * st["flops"]["drafter"]["train"] / med / (C.ISSUE_PEAK_TFLOPS * 1e12))
                 b.figure("peak_memory_gib", C.peak_memory_gib(device), "max_memory_allocated, timed steps")
@@ -245,22 +256,32 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
     b.info["fp8_lm_head"] = bool(a.fp8_lm_head)
     if a.master_weights and device.type != "cuda":
         raise ValueError("--master-weights needs CUDA: the bf16 weights rely on bf16 autocast; CPU steps run in float32")
-    optimizer, scheduler = build_optimizer(drafter.named_parameters(), OptimConfig(name=a.optim), 1000,
+    optim_cfg = OptimConfig(name=a.optim, muon_iteration=a.muon_iteration, muon_ns_steps=a.muon_ns_steps)
+    optimizer, scheduler = build_optimizer(drafter.named_parameters(), optim_cfg, 1000,
                                            master_weights=a.master_weights, log=b.log)
     b.info["master_weights"] = param_dtype(optimizer) is not None
     model = parallelize(drafter, device=device, compile_model=compiled, dp_group=None, num_drafters=1,
                         param_dtype=param_dtype(optimizer), compile_mode=a.compile_mode, precision=a.precision,
                         fp8_recipe=a.fp8_recipe, fp8_filter=a.fp8_filter, log=b.log)
     b.info["compile_mode"] = a.compile_mode
-    flops = C.flops_for(tcfg, dcfg, seq_len=S, num_anchors=N, batch=rows, mean_ctx=C.mean_context(mb))
+    flops = C.flops_for(tcfg, dcfg, seq_len=S, num_anchors=N, batch=rows, mean_ctx=C.mean_context(mb),
+                        teacher=mix.needs_teacher)
     params = sum(p.numel() for p in drafter.parameters())
     b.figure("drafter_params_m", params / 1e6)
     b.figure("tflop_per_step", a.micro_batches * flops["drafter"]["train"] / 1e12,
-             f"model FLOPs, visible-mask attention (density {flops['visible_fraction']:.3f})")
+             f"model FLOPs, visible-mask attention (density {flops['visible_fraction']:.3f}); DFlash's count")
+    b.figure("tflop_per_step_arch", a.micro_batches * flops["drafter"]["train_arch"] / 1e12,
+             f"{a.arch} with loss {a.loss}: its drafted rows, bias and teacher logits")
+    muon = {}
+    if a.optim == "muon":
+        iterations = a.muon_ns_steps
+        muon["muon_flops"] = C.muon_flops(dcfg, iterations, a.muon_iteration)
+        b.figure("muon_ns_tflop_per_step", muon["muon_flops"] / 1e12,
+                 f"{iterations} iterations ({a.muon_iteration}) over the hidden matrices, once per optimizer step")
     b.log(f"drafter {dcfg.num_layers} layers, hidden {dcfg.hidden_size}, taps {dcfg.target_layer_ids}, "
           f"{params / 1e6:.1f}M params; taps {tuple(mb.taps.shape)} {taps_dtype}")
     return dict(tcfg=tcfg, dcfg=dcfg, drafter=drafter, mb=mb, ctx=ctx, optimizer=optimizer, scheduler=scheduler,
-                model=model, flops=flops)
+                model=model, flops=flops, **muon)
 
 
 def attention_ratio(b: C.Bench, dcfg, mb, device: torch.device, dtype: torch.dtype, reps: int) -> None:
@@ -356,7 +377,10 @@ def verdict(b: C.Bench, device) -> str:
     if "mfu_vs_fp8_peak" in f:
         parts.append(f"{f['mfu_vs_fp8_peak']:.1%} of measured fp8 {f['fp8_matmul_peak_tflops']:.4g} TFLOP/s")
     if "peak_memory_gib" in f:
-        parts.append(f"peak {f['peak_memory_gib']:.1f} GiB")
+        parts.append(f"peak {f['peak_memory_gib']:.2f} GiB")
+    if "muon_ns_tflop_per_step" in f and "matmul_peak_tflops" in f:
+        parts.append(f"Muon's Newton-Schulz >= {f['muon_ns_tflop_per_step'] / f['matmul_peak_tflops'] * 1e3:.0f} ms "
+                     "at the measured bf16 peak")
     if "speedup_vs_speculators" in f:
         parts.append(f"{f['speedup_vs_speculators']:.2f}x speculators 0.9.0's 18.5K of 2026-12-01 (not this call)")
     if "attn_compiled_speedup" in f:

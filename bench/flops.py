@@ -20,6 +20,9 @@ import json
 import sys
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+MUON_ITERATIONS = ("newton_schulz", "gram")  # polar_express: newton_schulz's FLOPs
+
 # The issue's reference figures (Issue 8), per sequence, paper config.
 ISSUE_DRAFTER_TFLOP = 72.5
 ISSUE_TARGET_TFLOP = 53.1
@@ -37,7 +40,8 @@ def dflash_flops(*, hidden: int, num_heads: int, num_kv_heads: int, head_dim: in
                  vocab: int, drafter_layers: int, seq_len: int, num_anchors: int, block_size: int,
                  target_layers: int, tap_layers=(1, 9, 17, 25, 33), batch: int = 1,
                  mean_context: float | None = None, attention: str = "visible",
-                 tied_embeddings: bool = False, target_mlp_params: int | None = None) -> dict:
+                 tied_embeddings: bool = False, target_mlp_params: int | None = None,
+                 drafted: int | None = None, teacher: bool = False, markov_rank: int = 0) -> dict:
     """FLOPs of one DFlash drafter train step and of the target prefill that feeds it.
 
     Shapes (the drafter shares the target's width, heads and vocabulary, spec 1.1):
@@ -73,6 +77,13 @@ def dflash_flops(*, hidden: int, num_heads: int, num_kv_heads: int, head_dim: in
     experts, the parameters a token actually runs through (router + top_k experts' gate, up, down),
     so that MFU counts active parameters only.
 
+    The head and loss of other architectures (keys `drafter["arch"]`, `drafter["train_arch"]`; the
+    plain keys keep DFlash's count, the convention of earlier figures): `drafted` = D rows per block
+    through the lm_head (DSpark drafts from every slot: D = B; None: B - 1), `teacher` = the target's
+    logits of every drafted row for a KL/TV loss (forward only, no gradient: 1x), `markov_rank` = r of
+    DSpark's low-rank logit bias e @ M^T [rows, V] (3x: its input and its weight train) and its
+    confidence head [rows, H + r] -> 1 (3x).
+
     Returns a dict of FLOP counts (floats) for `batch` sequences: keys `drafter` (components,
     `fwd`, `train`) and `target` (`per_layer`, `tapped`, `full_decoder`, `issue_convention`),
     plus `visible_fraction` (visible / full grid) and `tokens` (= batch * S).
@@ -103,6 +114,13 @@ def dflash_flops(*, hidden: int, num_heads: int, num_kv_heads: int, head_dim: in
     drafter = {k: v * batch for k, v in fwd.items()}
     drafter["fwd"] = sum(fwd.values()) * batch
     drafter["train"] = sum(v * train_factor[k] for k, v in fwd.items()) * batch
+    rows = N * (B - 1 if drafted is None else drafted)
+    head = {"lm_head": (2 * rows * H * V, 2), "teacher_logits": (2 * rows * H * V if teacher else 0, 1),
+            "markov_bias": (2 * rows * markov_rank * V, 3),
+            "confidence": (2 * rows * (H + markov_rank) if markov_rank else 0, 3)}
+    drafter["head"] = {k: v * batch for k, (v, _) in head.items()}
+    other = sum(v * train_factor[k] for k, v in fwd.items() if k != "lm_head")
+    drafter["train_arch"] = (other + sum(v * f for v, f in head.values())) * batch
 
     mlp_params = 3 * H * I if target_mlp_params is None else target_mlp_params
     per_layer_params = H * q_width + 2 * H * kv_width + q_width * H + mlp_params
@@ -120,6 +138,31 @@ def dflash_flops(*, hidden: int, num_heads: int, num_kv_heads: int, head_dim: in
     }
     return {"drafter": drafter, "target": target, "visible_fraction": visible / full_grid,
             "tokens": batch * S, "attention_convention": attention}
+
+
+def newton_schulz_flops(shapes, iterations: int = 5, iteration: str = "newton_schulz") -> float:
+    """FLOPs of Muon's orthogonalisation of matrices `shapes` [(A, B), ...] per optimizer step
+    (`optim.muon_iteration`): per iteration on the short side m <= n, X X^T (2 m^2 n), the quintic's
+    G G (2 m^3) and (.) X (2 m^2 n); `gram` runs the Gram form on the wide matrices where it takes
+    fewer FLOPs (5 iterations: 28 m^3 + 8 m^2 n). The one count: train/muon.py `ns_flops`, checked
+    against torch's FlopCounterMode in tests/train/test_muon_step.py."""
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    from dflash_train.train.muon import ns_flops, uses_gram
+
+    total = 0.0
+    for a, b in shapes:
+        m, n = min(a, b), max(a, b)
+        total += ns_flops(m, n, iterations, gram=iteration == "gram" and uses_gram(m, n, iterations))
+    return total
+
+
+def drafter_matrix_shapes(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int,
+                          drafter_layers: int, num_taps: int) -> list[tuple[int, int]]:
+    """The hidden matrices Muon takes in a DFlash drafter (q, k, v, o, gate, up, down per layer; fc)."""
+    H, q, kv = hidden, num_heads * head_dim, num_kv_heads * head_dim
+    layer = [(q, H), (kv, H), (kv, H), (H, q), (intermediate, H), (intermediate, H), (H, intermediate)]
+    return layer * drafter_layers + [(H, num_taps * H)]
 
 
 def paper_check() -> dict:
@@ -189,6 +232,12 @@ def main(argv=None) -> int:
     print(f"RESULT target_issue_convention_tflop={f['target']['issue_convention'] / 1e12:.4g}")
     print(f"RESULT visible_fraction={f['visible_fraction']:.4g}")
     print(f"RESULT roofline_drafter_tok_s={ISSUE_PEAK_TFLOPS * 1e12 / f['drafter']['train'] * S:.4g}")
+    matrices = drafter_matrix_shapes(shapes["hidden"], shapes["num_heads"], shapes["num_kv_heads"], shapes["head_dim"],
+                                     shapes["intermediate"], shapes["drafter_layers"], len(shapes["tap_layers"]))
+    out["muon_ns_tflop"] = {kind: newton_schulz_flops(matrices, 5, kind) / 1e12 for kind in MUON_ITERATIONS}
+    for kind, tflop in out["muon_ns_tflop"].items():
+        print(f"RESULT muon_ns_tflop_{kind}={tflop:.4g}  # Muon's 5 iterations per optimizer step (>= "
+              f"{tflop / ISSUE_PEAK_TFLOPS * 1e3:.3g} ms at {ISSUE_PEAK_TFLOPS:.0f} TFLOP/s)")
     verdict = "OK"
     if not a.small and shapes == PAPER:
         check = paper_check()

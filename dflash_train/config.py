@@ -206,6 +206,14 @@ class OptimConfig:
     """Muon's (Nesterov) momentum, in [0, 1)."""
     muon_ns_steps: int = 5
     """Newton-Schulz iterations per Muon step (torch's default; each costs ~3 matmuls per matrix)."""
+    muon_iteration: Literal["newton_schulz", "polar_express", "gram"] = "gram"
+    """How Muon orthogonalises (train/muon.py): gram (the default) = torch's quintic in the Gram form of Dao AI Lab's
+    "Gram Newton-Schulz" (2026) on every wide matrix (long side > 1.5x the short; square ones keep the standard
+    form), float16 on CUDA: the same polynomial in 21 % fewer FLOPs at the paper shapes (101.3 -> 79.5 TFLOP per
+    step), closer to the float64 polynomial than newton_schulz's bf16 and the same training loss on the CPU
+    golden run (docs/PERF.md 3.7) | newton_schulz = torch.optim.Muon's fixed quintic, its update bit for bit |
+    polar_express = Polar Express's per-iteration coefficients (arXiv 2505.16932), the first muon_ns_steps (<= 5)
+    of its 5-step schedule: closer to orthogonal than torch's at 5 iterations, not at 4 (docs/PERF.md)."""
 
 
 RESUME_CHANGEABLE = ("data", "target", "tokenizer", "drafter")  # train.allow_changed's values
@@ -296,7 +304,7 @@ class EvalConfig:
     (chat: assistant, chitchat; text format: held-out text of data.train and the embedded prose set)."""
     sim_anchors_per_seq: int = 64
     drafter: str | None = None
-    """z-lab drafter directory the `eval` command measures (ours or a published one)."""
+    """z-lab drafter directory the `eval` command measures (ours or a published one; the speculators and DeepSpec formats too)."""
     block_size: int | None = None
     """`eval` command: decode with this block size instead of the drafter's own."""
     out_dir: str = "dflash-eval"

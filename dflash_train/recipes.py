@@ -1,4 +1,11 @@
-"""Named runs: Python functions that derive a RunConfig from the defaults in config.py."""
+"""Named runs: Python functions that derive a RunConfig from the defaults in config.py.
+
+Each recipe's docstring says how many tokens one optimizer step sees (sequence tokens, and the drafted
+tokens the loss weighs: anchors x drafted slots per sequence) and why. The count matters most with
+optim.name=muon: Muon's Newton-Schulz costs the same per optimizer step whatever the batch (~101
+TFLOP at the paper's 8B shapes, more than a 1-sequence DSpark step's 36), so the larger the step's
+batch, the smaller its share (docs/PERF.md, issue 37). Muon's default iteration is the Gram form of
+torch's quintic (`optim.muon_iteration=gram`, config.py says why): ~79.5 TFLOP at those shapes."""
 
 from __future__ import annotations
 
@@ -8,7 +15,13 @@ from dflash_train.config import ConfigError, RunConfig
 
 
 def paper() -> RunConfig:
-    """The paper's recipe (Qwen3 targets): 5 layers, block 16, 512 anchors, seq 3072, 6 epochs."""
+    """The paper's recipe (Qwen3 targets): 5 layers, block 16, 512 anchors, seq 3072, 6 epochs.
+
+    Tokens per optimizer step: 8 sequences of up to 3,072 tokens (<= 24,576 sequence tokens; 8 x 512
+    anchors x 15 drafted slots = 61,440 weighted rows), one sequence per micro-batch. Why: the paper
+    gives no batch; SpecForge's mirror of it steps on 32 sequences over 8 GPUs, and 8 is the most that
+    keeps a single 8B-shaped drafter GPU at one sequence per forward (the paper shapes' step, docs/PERF.md)
+    while one optimizer step (AdamW: 1.5 ms; Muon: its Newton-Schulz) serves 8 forwards."""
     return RunConfig()
 
 
@@ -22,7 +35,11 @@ def default() -> RunConfig:
     data's ~3K tokens (the lm_head was ~88% of a step); a small initial logit scale; lr 6e-3 with
     the cosine following the 10-minute budget (3e-3 and 1.2e-2 were worse at equal steps, session 11);
     4 sequences per step, i.e. ~580 steps where 8 made 288 in the same 10 minutes (session 11: held-out
-    simulated tau 1.771 vs 1.65, real tau 1.43 / 1.96 vs 1.40-1.42 / 1.89-1.93; 1 layer instead of 2: no gain)."""
+    simulated tau 1.771 vs 1.65, real tau 1.43 / 1.96 vs 1.40-1.42 / 1.89-1.93; 1 layer instead of 2: no gain).
+
+    Tokens per optimizer step: 4 sequences of up to 320 tokens (<= 1,280 sequence tokens; 4 x 80 anchors
+    x 3 drafted slots = 960 weighted rows): on a CPU the step count in a fixed budget mattered more than
+    the batch (the session-11 comparison above)."""
     base = RunConfig()
     return replace(
         base,
@@ -58,7 +75,13 @@ def gpu() -> RunConfig:
     2.75 minutes: 2356 steps, 1.94 / 2.93 / 1.69 / 2.45). One micro-batch per step (not 32 passes of
     one sequence) made a step 8x faster; with the steps no longer scarce, the drafter memorised 5000
     samples (training batches 3.9 vs held-out 2.06), and more data and layers were what moved tau
-    (2 layers/5K 1.62/2.50 -> 4/10K 1.84/2.91 -> 6/15K)."""
+    (2 layers/5K 1.62/2.50 -> 4/10K 1.84/2.91 -> 6/15K).
+
+    Tokens per optimizer step: 32 sequences of up to 320 tokens (<= 10,240 sequence tokens; 32 x 80
+    anchors x 4 drafted slots (DSpark: block 4 drafts 4) = 10,240 weighted rows) in one micro-batch. Why:
+    one micro-batch of 32 made a step 8x faster than 32 of one (session 10), and at this drafter's
+    576-wide matrices Muon's Newton-Schulz is small against a 32-sequence step; fewer sequences per step
+    would buy more steps in the 3.5-minute budget, but the session-13 arms were measured at 32."""
     base = default()
     return replace(
         base,
@@ -73,8 +96,32 @@ def gpu() -> RunConfig:
     )
 
 
+def gpu_long() -> RunConfig:
+    """The best drafter one GPU gives in about half an hour end to end: the `gpu` recipe with three times the
+    prompts (45,000: the default corpus's 9,000 and 36,000 written by the target itself) and 20 training
+    minutes; eval on the same four domains.
+
+    Sized from the `gpu` recipe's measured rates on one H200 (docs/LOG.md): synthesis 7,500 prompts in 15 s
+    and regeneration + taps 15,000 in 37 s (session 10), so ~3.5 minutes of data here (more written prompts
+    are dropped as near-duplicates at this count: session 9 sampled 18,432 for 15,000); DSpark ~540 steps a
+    minute (issue 38: 1,879 steps in 3.5 minutes), so ~10,800 steps expected, about 8 passes over the data where the
+    recipe makes 4; GGUF conversion ~0.5 and start-up and compilation ~1.2 minutes; the eval of 8 prompts per
+    set ~2.5 minutes: ~28 minutes in all. The prompts stop at 45,000 because the regenerate + tap cache
+    holds ~1 MB per sample (15 GB for the recipe's 15,000): 47 GB here, on the 64 GiB disk of a one-GPU
+    machine. bench/curve.py measures it as the 20-minute point of the recipe's curve (3.5, 10 and 20 minutes)."""
+    base = gpu()
+    return replace(
+        base,
+        data=replace(base.data, train="default:0.2,synthesize:0.8", max_samples=45000),
+        train=replace(base.train, out_dir="runs/gpu_long", max_minutes=20.0),
+    )
+
+
 def tiny() -> RunConfig:
-    """A few-step smoke run (tests, CI): tiny data, 1 layer, block 4."""
+    """A few-step smoke run (tests, CI): tiny data, 1 layer, block 4.
+
+    Tokens per optimizer step: 4 sequences of up to 128 tokens (4 x 8 anchors x 3 drafted slots = 96
+    weighted rows): the smallest step that still exercises gradient accumulation where a test asks for it."""
     base = default()
     return replace(
         base,
@@ -87,7 +134,7 @@ def tiny() -> RunConfig:
     )
 
 
-RECIPES = {"default": default, "gpu": gpu, "paper": paper, "tiny": tiny}
+RECIPES = {"default": default, "gpu": gpu, "gpu_long": gpu_long, "paper": paper, "tiny": tiny}
 
 
 def get(name: str) -> RunConfig:

@@ -100,6 +100,9 @@ def config_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"optim.betas={cfg.optim.betas}: both must be in [0, 1)")
     if cfg.optim.muon_ns_steps >= 100:
         problems.append(f"optim.muon_ns_steps={cfg.optim.muon_ns_steps}: must be < 100 (torch.optim.Muon's bound)")
+    if cfg.optim.muon_iteration == "polar_express" and not 1 <= cfg.optim.muon_ns_steps <= 5:
+        problems.append(f"optim.muon_ns_steps={cfg.optim.muon_ns_steps} with optim.muon_iteration=polar_express: "
+                        "must be in 1..5 (the iterations of its published schedule)")
     if cfg.target.layer_ids is not None and (min(cfg.target.layer_ids, default=0) < 0 or not cfg.target.layer_ids):
         problems.append(f"target.layer_ids={cfg.target.layer_ids}: expected non-negative layer indices")
     unknown = [part for part in cfg.train.allow_changed if part not in RESUME_CHANGEABLE]
@@ -169,6 +172,15 @@ def _drafter_dir_problems(key: str, value: str | None, draft_vocab: bool = False
     except (ValueError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
         return [f"{key}={value}: {e}"]
     return []
+
+
+def _ecosystem_problems(key: str, value: str | None) -> list[str]:
+    """A z-lab, speculators or DeepSpec drafter config our classes read (model/ecosystem.py; no torch)."""
+    if value is None or not (Path(value).expanduser() / "config.json").is_file():
+        return []  # said by _drafter_dir_problems
+    from dflash_train.model.ecosystem import config_problems
+
+    return [f"{key}={value}: {problem}" for problem in config_problems(value)]
 
 
 def _prompt_set_problems(spec: str | None) -> list[str]:
@@ -320,8 +332,9 @@ def _run_input_problems(cfg: RunConfig) -> list[str]:
 
 
 def validate_eval(cfg: RunConfig) -> None:
-    _fail(config_problems(cfg) + _required(cfg, "eval.drafter", "the z-lab drafter directory to measure")
+    _fail(config_problems(cfg) + _required(cfg, "eval.drafter", "the drafter directory to measure")
           + _drafter_dir_problems("eval.drafter", cfg.eval.drafter, draft_vocab=cfg.eval.draft_vocab == "auto")
+          + _ecosystem_problems("eval.drafter", cfg.eval.drafter)
           + target_problems(cfg)
           + _prompt_set_problems(cfg.eval.prompts))
 

@@ -19,9 +19,15 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 
 CASES = {
     "flops": ([sys.executable, "bench/flops.py"],
-              ["drafter_train_tflop", "target_tapped_tflop", "visible_fraction"]),
+              ["drafter_train_tflop", "target_tapped_tflop", "visible_fraction", "muon_ns_tflop_newton_schulz",
+               "muon_ns_tflop_gram"]),
     "drafter_step": ([sys.executable, "bench/drafter_step.py", "--profile", "1"],
                      ["tokens_per_s", "step_time_median_s", "mfu", "matmul_peak_tflops", "tflop_per_step"]),
+    "muon_iterations": ([sys.executable, "bench/muon_iterations.py"],
+                        ["step_ms_newton_schulz", "step_ms_gram", "gram_error_ratio_max", "error_max_gram"]),
+    "drafter_step_dspark_muon": ([sys.executable, "bench/drafter_step.py", "--arch", "dspark", "--block-size", "8",
+                                  "--loss", "tv", "--optim", "muon", "--micro-batches", "2", "--compile-loss"],
+                                 ["tokens_per_s", "mfu_arch", "tflop_per_step_arch", "muon_ns_tflop_per_step"]),
     "target_prefill": ([sys.executable, "bench/target_prefill.py", "--profile", "1"],
                        ["tokens_per_s", "prefill_s", "mfu", "full_decoder_s"]),
     "target_prefill_moe": ([sys.executable, "bench/target_prefill.py", "--arch", "qwen3-moe"],
@@ -57,7 +63,7 @@ def test_bench_small(name, tmp_path):
                           text=True, timeout=300)
     log = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, log
-    assert f"VERDICT {name.removesuffix('_moe')}: OK" in proc.stdout, log
+    assert f"VERDICT {name.removesuffix('_moe').removesuffix('_dspark_muon')}: OK" in proc.stdout, log
     figures = results(proc.stdout)
     assert figures, log
     assert all(math.isfinite(v) for v in figures.values()), figures

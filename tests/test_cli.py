@@ -76,7 +76,7 @@ def test_recipe_works_for_every_command(name, capsys):
     assert default == json.loads((RunConfig() if name != "train" else cli.recipes.get("default")).to_json())
     assert cli.main([name, "--recipe", "nope", "--print-config"]) == 2
     text = capsys.readouterr().out
-    assert f"dflash-train {name}: FAILED: unknown recipe 'nope'; available: default, gpu, paper, tiny" in text
+    assert f"dflash-train {name}: FAILED: unknown recipe 'nope'; available: default, gpu, gpu_long, paper, tiny" in text
 
 
 def test_usage_errors_end_with_the_verdict_line(capsys):

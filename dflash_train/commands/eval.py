@@ -1,5 +1,6 @@
 """`dflash-train eval --drafter DIR [--target T] [...]`: real speculative decoding of held-out prompts
-with a z-lab drafter directory (ours or a published one) against its target. A target without a chat
+with a drafter directory against its target: ours or any published one in the z-lab, speculators or
+DeepSeek DeepSpec format (told apart by config.json and read into our classes: model/ecosystem.py). A target without a chat
 template (a base model; `data.format=auto` says so in one line) is measured on text sets.
 
 Prints a summary table and ends with `dflash-train eval: OK tau=... speedup=...x`. Writes
@@ -31,17 +32,21 @@ ALIASES = (
 def run(cfg) -> str:
     from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
     from dflash_train.eval.evaluate import check_compatible, eval_draft_vocab, evaluate_as_served
-    from dflash_train.model.hf_format import load_zlab
+    from dflash_train.model.ecosystem import load_drafter
     from dflash_train.train.setup import resolve_format
 
     e = cfg.eval
     resolved = []  # the config with data.format resolved (text sets for a target without a chat template)
     target = load_configured_target(cfg, check_tokenizer=lambda tok: resolved.append(resolve_format(cfg, tok, print)))
     cfg = resolved[0]
-    drafter = load_zlab(e.drafter, device=device_of(cfg), dtype=target.dtype)
-    print(f"eval: drafter {e.drafter}: {drafter.config.num_layers} layers, block size "
+    loaded = load_drafter(e.drafter, num_target_layers=target.num_layers, device=device_of(cfg), dtype=target.dtype)
+    drafter = loaded.drafter
+    print(f"eval: drafter {e.drafter} ({loaded.format} format, {drafter.config.arch}): "
+          f"{drafter.config.num_layers} layers, block size "
           f"{e.block_size or drafter.config.block_size}, taps {list(drafter.config.target_layer_ids)}, "
           f"mask token {drafter.config.mask_token_id}", flush=True)
+    for note in loaded.notes:
+        print(f"eval: note: {note}", flush=True)
     check_compatible(drafter, target)  # before reading prompts: fail fast on the wrong pair
     context = SetContext(target=target, data=cfg.data, seed=cfg.train.seed, cache_dir=Path(e.out_dir) / "data")
     sets = load_prompt_sets(e.prompts, e.num_prompts, context)

@@ -16,7 +16,8 @@ tokens (x_s is then the token before the label of slot s), drafting walks the bl
 Loss (SpecForge's curriculum): (1 - lambda) L(z) + lambda L(z without the correction), L the rows'
 loss (`loss.kind`) and lambda = `domino_lambda_start` x (1 - progress / `domino_lambda_decay`),
 clamped at 0: the backbone learns alone first, the correction takes over as lambda falls. The
-second term costs one more lm_head pass while lambda > 0.
+second term costs one more lm_head pass while lambda > 0 (its D-PACE weights, with
+`loss.weighting=dpace`, are its own pass's; the decay's are the same for both).
 
 Initialisation: W2 = 0, so a fresh Domino's logits are its backbone's.
 
@@ -90,9 +91,9 @@ class DominoDrafter(DFlashDrafter):
         proj = self.embed_proj[0]
         return self.embed_proj[1](proj(torch.cat([rows.to(proj.weight.dtype), states.to(proj.weight.dtype)], -1)))
 
-    def logit_bias(self, rows, prev, vocab_ids=None, embed=None):
-        if embed is None:
-            raise ValueError("the domino head reads the drafted tokens' embeddings: pass `embed`")
+    def logit_bias(self, prev, vocab_ids=None, rows=None, embed=None):
+        if embed is None or rows is None:
+            raise ValueError("the domino head reads the rows and the drafted tokens' embeddings: pass `rows`, `embed`")
         rows, prev = as_blocks(rows, prev)  # [M, D, H], [M, D]
         gru = self.prefix_gru
         states = gru(embed(prev).to(gru.weight_ih_l0.dtype))[0]  # [M, D, G]: slot s after x_0 .. x_s
@@ -103,15 +104,16 @@ class DominoDrafter(DFlashDrafter):
         return latent.reshape(-1, latent.shape[-1]), weight if vocab_ids is None else weight[vocab_ids]
 
     def extra_loss(self, rows, out, labels, prev, vocab_ids, weight: float, has_tv: bool, terms=None):
-        """lambda (L(uncorrected) - L(corrected)), which makes the rows' loss the curriculum's mix."""
+        """lambda (L(uncorrected) - L(corrected)), summed over the rows as the rows' loss is: with it the
+        rows' loss is the curriculum's mix."""
         lam = self.lambda_at(terms.progress) if terms is not None else 0.0
         if lam <= 0 or terms.unbiased is None:
             return None, None
-        return weight * lam * (terms.unbiased().losses - out.losses), None
+        return weight * lam * (terms.unbiased().loss_sum - out.loss_sum), None
 
     def greedy(self, rows, prev, logits_fn, embed=None):
         blocks, prev_blocks = as_blocks(rows, prev)
-        latent, _ = self.logit_bias(blocks, prev_blocks, None, embed)
+        latent, _ = self.logit_bias(prev_blocks, None, blocks, embed)
         bias = self.embed_proj[2](latent)  # [M*D, V]
         return logits_fn(blocks.reshape(-1, blocks.shape[-1]), bias=bias).argmax(-1).view(prev.shape)
 

@@ -128,7 +128,8 @@ class LossTerms:
     progress: float = 1.0
     """Share of the training schedule done before this step, in [0, 1] (1 outside training)."""
     unbiased: Callable[[], object] | None = None
-    """The rows' results without the head's logit bias (`softmax_rows.RowsOut`; one more lm_head pass)."""
+    """The rows' results without the head's logit bias (`softmax_rows.RowsOut`, its weighted `loss_sum`
+    with a gradient; one more lm_head pass)."""
 
 
 class DFlashDrafter(nn.Module):
@@ -172,19 +173,20 @@ class DFlashDrafter(nn.Module):
         """The drafting slots' hidden states: [b, N*B, H] -> [b, N, D, H]."""
         return drafted_rows(hidden, block_size, self.drafted_offset, self.drafted(block_size))
 
-    def logit_bias(self, rows: torch.Tensor, prev: torch.Tensor, vocab_ids: torch.Tensor | None = None,
+    def logit_bias(self, prev: torch.Tensor, vocab_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None,
                    embed=None):
-        """A trainable low-rank logit bias e @ M.T on rows [M, D, H] with previous tokens prev [M, D]:
-        (e [M*D, r], M [V', r]) added to the raw logits before the target's scaling, or None (DFlash).
-        vocab_ids [V'] restrict M's rows to a training vocabulary."""
+        """A trainable low-rank logit bias e @ M.T for previous tokens prev [M, D] with their rows
+        [M, D, H] (or flat [T] / [T, H]; a head that reads no rows takes none): (e [M*D, r], M [V', r])
+        added to the raw logits before the target's scaling, or None (DFlash). vocab_ids [V'] restrict
+        M's rows to a training vocabulary."""
         return None
 
     def extra_loss(self, rows: torch.Tensor, out, labels: torch.Tensor, prev: torch.Tensor | None,
                    vocab_ids: torch.Tensor | None, weight: float, has_tv: bool, terms: LossTerms | None = None):
-        """The head's own per-row loss term [T] (weighted like the rows' loss) and its greedy choice
-        [T] when it differs from the argmax of the logits; (None, None) for DFlash. rows [T, H] and
-        prev [T] flat; `out` is `softmax_rows.RowsOut` of the rows; labels in the lm_head's row space
-        (`vocab_ids`)."""
+        """The head's own loss term, per row [T] (weighted like the rows' loss) or already summed over
+        the rows ([]), and its greedy choice [T] when it differs from the argmax of the logits; (None,
+        None) for DFlash. rows [T, H] and prev [T] flat; `out` is `softmax_rows.RowsOut` of the rows;
+        labels in the lm_head's row space (`vocab_ids`)."""
         return None, None
 
     def greedy(self, rows: torch.Tensor, prev: torch.Tensor, logits_fn, embed=None) -> torch.Tensor:

@@ -108,8 +108,10 @@ class DSparkDrafter(DFlashDrafter):
     def _prev_embedding(self, prev: torch.Tensor) -> torch.Tensor:
         return self.markov_head.markov_w1(prev)  # [T, r]
 
-    def logit_bias(self, rows, prev, vocab_ids=None, embed=None):
-        rows, prev = as_blocks(rows, prev)
+    def logit_bias(self, prev, vocab_ids=None, rows=None, embed=None):
+        if rows is None and self.markov_head.kind != "vanilla":
+            raise ValueError(f"the {self.markov_head.kind} Markov head reads the rows: pass `rows`")
+        rows, prev = as_blocks(rows if rows is not None else prev[..., None], prev)
         latent = self.markov_head.latent(rows, prev)  # [M, D, r]
         weight = self.markov_head.markov_w2.weight  # [V, r]
         return latent.reshape(-1, latent.shape[-1]), weight if vocab_ids is None else weight[vocab_ids]

@@ -174,7 +174,7 @@ def drafter_config_from_zlab(d: dict, source: str = "config.json") -> DrafterCon
             head_dim=d.get("head_dim") or d["hidden_size"] // heads, vocab_size=d["vocab_size"],
             block_size=block_size, mask_token_id=mask_token_id, target_layer_ids=tuple(ids),
             num_target_layers=n_target, rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=d.get("rope_theta", 1e6), max_position_embeddings=d.get("max_position_embeddings", 32768),
+            rope_theta=_rope_theta(d), max_position_embeddings=d.get("max_position_embeddings", 32768),
             layer_types=tuple(d.get("layer_types") or (FULL,) * n_layers), sliding_window=d.get("sliding_window"),
             window_causal=_window_causal(d, dflash, source),
             attention_bias=d.get("attention_bias", False), bos_token_id=d.get("bos_token_id"),
@@ -182,6 +182,12 @@ def drafter_config_from_zlab(d: dict, source: str = "config.json") -> DrafterCon
         )
     except KeyError as e:
         raise ValueError(f"{source}: missing key {e.args[0]}") from None
+
+
+def _rope_theta(d: dict) -> float:
+    """`rope_theta` at the top level, else in `rope_parameters` (where transformers 5 writes it alone), else 1e6."""
+    params = d.get("rope_parameters")
+    return d.get("rope_theta") or (params.get("rope_theta") if isinstance(params, dict) else None) or 1e6
 
 
 def _scaling_keys(d: dict, dflash: dict) -> dict:

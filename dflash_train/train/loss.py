@@ -32,15 +32,17 @@ simulated tau always uses the full vocabulary.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass, fields
 
 import torch
 
 from dflash_train.model.drafter import LossTerms
+from dflash_train.train.row_weights import (WEIGHTINGS, RowWeights, dpace_weights,  # noqa: F401 - re-exported
+                                            position_weights, slot_weights)
 from dflash_train.train.softmax_rows import CE, LossMix, RowsSpec, linear_softmax_loss  # noqa: F401 - re-exported
-
-WEIGHTINGS = ("decay", "dpace")
 
 
 @dataclass(frozen=True)
@@ -71,23 +73,6 @@ def teacher_hidden_at(final_hidden: torch.Tensor, anchors: torch.Tensor, drafted
     positions = (anchors[:, :, None] + offsets).clamp(0, seq_len - 1).view(b, -1)  # [b, N*D]
     picked = torch.gather(final_hidden, 1, positions[:, :, None].expand(-1, -1, hdim))  # [b, N*D, H]
     return picked.view(b, anchors.shape[1], drafted, hdim)
-
-
-def slot_weights(drafted: int, gamma: float, device=None, dtype=torch.float32) -> torch.Tensor:
-    """The decay w_i for drafted tokens 0..D-1: exp(-i/gamma), shape [D]."""
-    i = torch.arange(drafted, device=device, dtype=torch.float64)
-    return torch.exp(-i / gamma).to(dtype)
-
-
-def dpace_weights(label_logprob: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
-    """D-PACE weights [b, N, D] (module doc) from log q of the data token and valid, both [b, N, D];
-    no gradient. Invalid slots get weight 0 and leave the products unchanged (q~ = 1)."""
-    with torch.no_grad():
-        q = label_logprob.detach().exp()
-        q_tilde = torch.where(valid, (1 - alpha) * q + alpha, torch.ones_like(q))
-        cum = torch.cumprod(q_tilde, dim=-1) * valid  # C_i valid_i
-        tail = cum.flip(-1).cumsum(-1).flip(-1)  # sum_{m >= i} C_m valid_m
-        return tail * valid
 
 
 @dataclass
@@ -125,14 +110,14 @@ class LossStats:
         return cls(**values)
 
 
-def position_weights(objective: Objective, label_logprob: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """w * valid [b, N, D] of `loss.weighting` (module doc), in label_logprob's dtype, no gradient."""
-    if objective.weighting == "dpace":
-        return dpace_weights(label_logprob, valid, objective.alpha).to(label_logprob.dtype)
-    if objective.weighting != "decay":
+@functools.lru_cache(maxsize=None)
+def rows_spec(objective: Objective, drafted: int) -> RowsSpec:
+    """The objective's RowsSpec with its position weights over blocks of `drafted` rows; one object per
+    value (the compiled chunk guards on it: a new object per step would recompile)."""
+    weights = RowWeights(objective.weighting, drafted, objective.gamma, objective.alpha)
+    if objective.weighting not in WEIGHTINGS:
         raise ValueError(f"loss.weighting={objective.weighting!r}: expected one of {', '.join(WEIGHTINGS)}")
-    decay = slot_weights(valid.shape[-1], objective.gamma, valid.device, label_logprob.dtype)
-    return decay * valid.to(label_logprob.dtype)
+    return dataclasses.replace(objective.spec, weights=weights)
 
 
 def block_loss(rows: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
@@ -153,25 +138,26 @@ def block_loss(rows: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.T
     flat_prev = None if prev is None else prev.reshape(-1)
     flat_teacher = None if teacher is None else teacher.reshape(-1, hdim)
     blocks_prev = None if prev is None else prev.reshape(b * n, d)
-    bias = head.logit_bias(rows.reshape(b * n, d, hdim), blocks_prev, vocab_ids, embed) if head is not None else None
+    bias = head.logit_bias(blocks_prev, vocab_ids, rows.reshape(b * n, d, hdim), embed) if head is not None else None
 
     def rows_loss(with_bias):
         return linear_softmax_loss(flat, lm_head_weight, labels.reshape(-1), flat_teacher, objective.chunk_tokens,
-                                   objective.compiled, objective.spec, fp8, with_bias)
+                                   objective.compiled, rows_spec(objective, d), fp8, with_bias, valid.reshape(-1))
 
     out = rows_loss(bias)
-    losses = out.losses.view(b, n, d)
-    w = position_weights(objective, out.label_logprob.view(b, n, d).to(losses.dtype), valid)
+    losses, w = out.losses.view(b, n, d), out.weights.view(b, n, d)
     terms = LossTerms(progress, unbiased=lambda: rows_loss(None))
     extra, predicted = (head.extra_loss(flat, out, labels.reshape(-1), flat_prev, vocab_ids, objective.head_weight,
                                         objective.mix.tv > 0, terms) if head is not None else (None, None))
-    total = losses if extra is None else losses + extra.view(b, n, d).to(losses.dtype)
+    loss_sum = out.loss_sum
+    if extra is not None:  # per row [T], weighted like the rows' loss; or a sum over the rows already ([])
+        loss_sum = loss_sum + (extra if extra.dim() == 0 else (w * extra.view(b, n, d).to(w.dtype)).sum())
     predicted = (out.argmax if predicted is None else predicted).view(b, n, d)
     okf = valid.to(losses.dtype)
     correct = (predicted == labels) & valid  # against the data token: greedy acceptance
     accepted = torch.cumprod(correct.long(), dim=-1).sum(-1)  # [b, N] leading correct slots
     return LossStats(
-        loss_sum=(w * total).sum(),
+        loss_sum=loss_sum,
         weight_sum=w.sum(),
         slot_loss_sum=(losses * okf).sum((0, 1)).detach(),
         slot_correct=correct.sum((0, 1)).float(),

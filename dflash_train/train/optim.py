@@ -111,7 +111,7 @@ def build_optimizer(params, cfg: OptimConfig, total_steps: int, budget: TimeBudg
     Which AdamW follows from the parameters' device: on CUDA MasterWeightAdamW (float32 masters,
     compiled update; `parallel.parallelize` then casts the module to its `param_dtype`) when
     `master_weights` (default: `cfg.master_weights`), else torch's fused AdamW; on the CPU torch's
-    AdamW over float32 parameters. `optim.name=muon` gives the hidden matrices to torch's Muon
+    AdamW over float32 parameters. `optim.name=muon` gives the hidden matrices to our batched Muon
     (`muon.MuonAdamW`, float32 masters where the AdamW part has them) and logs the split once."""
     named = [item if isinstance(item, tuple) else (None, item) for item in params]
     named = [(name, p) for name, p in named if p.requires_grad]
@@ -129,7 +129,8 @@ def build_optimizer(params, cfg: OptimConfig, total_steps: int, budget: TimeBudg
     optimizer = _adamw([p for _, p in named], cfg, cuda, master)
     if cfg.name == "muon":
         optimizer = MuonAdamW([p for _, p in muon], optimizer, lr=cfg.lr, weight_decay=cfg.muon_weight_decay,
-                              momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps, master=master)
+                              momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps, master=master,
+                              iteration=cfg.muon_iteration, compiled=cuda)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, cfg.warmup_ratio, cfg.min_lr_ratio,
                                           budget.steps if budget else None))
@@ -297,13 +298,19 @@ def step_unless(optimizer, skip: torch.Tensor) -> None:
     they were. MasterWeightAdamW and torch's fused AdamW decide inside their kernels (the
     `found_inf` input GradScaler uses), so the host never waits for the flag. torch's for-each
     AdamW has no such input: it reads the flag on the host, which costs nothing on the CPU, where
-    it is used (`build_optimizer`). MuonAdamW takes the flag like the fused AdamW and reads it on
-    the host for its Muon part only (muon.py)."""
+    it is used (`build_optimizer`). MuonAdamW takes the flag like the fused AdamW (muon.py)."""
     if divides_gradients(optimizer):
         optimizer.found_inf = skip
         optimizer.step()
     elif not bool(skip):
         optimizer.step()
+
+
+def share_over_ranks(optimizer, num_drafters: int, dp_group=None) -> None:
+    """With several drafter ranks a Muon optimizer orthogonalises only this rank's share of its
+    matrices (`muon.Muon.spread`); other optimizers have nothing to share. Idempotent."""
+    if isinstance(optimizer, MuonAdamW):
+        optimizer.spread_over_ranks(num_drafters, dp_group)
 
 
 def full_precision_weights(optimizer):

@@ -9,16 +9,22 @@ The per-row loss is the `LossMix`
         + c_tv * TV(softmax(t), softmax(z))
 with t = T(teacher @ W.T) the target's own logits (`teacher`: its final hidden state).
 
-Besides the loss, every row reports (no gradient): the argmax, log softmax(z)[label] (D-PACE's
-confidence), the TV distance (DSpark's confidence target) and optionally the top-k of z (DFlash 2's
-candidates) with z[label].
+The rows are weighted (`RowsSpec.weights`, `row_weights.py`: valid, the paper's decay or D-PACE, all
+functions of this forward's outputs) and the differentiable output is the weighted sum
+sum_t w_t l_t. Besides it, every row reports (no gradient): its loss l and weight w, the argmax,
+log softmax(z)[label] (D-PACE's confidence), the TV distance (DSpark's confidence target) and
+optionally the top-k of z (DFlash 2's candidates) with z[label].
 
-Memory: `chunk` rows at a time; neither the drafter's nor the target's full [rows, V] logits ever
-exist. The gradient with respect to h (and e, M) is built chunk by chunk in the forward pass:
-d loss / d z is closed-form (`_d_logits`), times T'(z) where the transform is not the identity.
-Peak extra memory for CE is about chunk * V * 6 bytes eagerly (fp32 logits reused in place plus one
-copy in the weight dtype for the gradient matmul); compiled, the logits and gradient logits stay in
-the weight dtype. A teacher adds its logits and probabilities (2-3x eagerly).
+Memory: `chunk` rows at a time (whole blocks); neither the drafter's nor the target's full [rows, V]
+logits ever exist. Every gradient (hidden's, and a bias's inputs and weight) is built chunk by chunk
+in the forward pass: d loss / d z is closed-form (`_d_logits`), times T'(z) where the transform is
+not the identity, times the row's weight, then the matmuls (`_grads_of`); backward only scales them
+by the scalar it receives. Compiled (`compiled_chunk`, GPU training), one graph runs from the
+logits to those gradients, so no [c, V] tensor is written outside it: the logits and gradient
+logits stay in the weight dtype, and with the fp8 lm_head the gradient logits' scaling and e5m2
+cast fuse in too. Eagerly (the CPU path) about chunk * V * 6 bytes for CE (float32 logits reused in
+place plus one copy in the weight dtype for the gradient matmul); a teacher adds its logits and
+probabilities (2-3x).
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ import torch
 
 from dflash_train.fp8 import float8_mm
 from dflash_train.model.logits import LogitTransform
+from dflash_train.train.row_weights import RowWeights, row_weights
 
 UNDERFLOW_CLAMP = -80.0  # exp() below e^-87 yields float32 subnormals: ~60x slower on CPU
 
@@ -66,11 +73,12 @@ CE = LossMix()
 
 @dataclass(frozen=True)
 class RowsSpec:
-    """The static part of a call (a compiled graph per distinct value): mix, transform, top-k."""
+    """The static part of a call (a compiled graph per distinct value): mix, transform, top-k, row weights."""
 
     mix: LossMix = CE
     transform: LogitTransform = LogitTransform()
     topk: int = 0
+    weights: RowWeights = RowWeights()
 
 
 class LowRankBias(NamedTuple):
@@ -81,15 +89,17 @@ class LowRankBias(NamedTuple):
 
 
 class RowsOut(NamedTuple):
-    """Per-row results of `linear_softmax_loss` (only `losses` carries a gradient)."""
+    """Per-row results of `linear_softmax_loss` (only `loss_sum` carries a gradient)."""
 
-    losses: torch.Tensor  # [T] float32 (float64 for float64 inputs)
+    losses: torch.Tensor  # [T] float32 (float64 for float64 inputs), the mix's loss l per row
     argmax: torch.Tensor  # [T]
     label_logprob: torch.Tensor  # [T] log softmax(z)[label] (0 without labels)
     tv: torch.Tensor  # [T] TV(teacher, drafter) (0 without a tv term)
     topk_values: torch.Tensor | None  # [T, k] of z, when RowsSpec.topk
     topk_ids: torch.Tensor | None  # [T, k]
     label_logit: torch.Tensor  # [T] z[label]
+    loss_sum: torch.Tensor  # [] sum_t w_t l_t: the one output with a gradient
+    weights: torch.Tensor  # [T] w_t (`RowsSpec.weights`: 0 for invalid rows)
 
 
 def _log_softmax_clamped(logits: torch.Tensor) -> torch.Tensor:
@@ -228,105 +238,148 @@ def fused_rows(hidden, weight, labels, teacher, bias, want_grad: bool, spec: Row
     return out, d if spec.transform.identity else d * spec.transform.derivative(z.to(acc))
 
 
-@functools.lru_cache(maxsize=None)
-def compiled_rows():
-    """The chunk function compiled once per process (static shapes: one graph per chunk shape)."""
-    return torch.compile(fused_rows, dynamic=False)
-
-
-def _grads_of(d_raw: torch.Tensor, weight: torch.Tensor, fp8) -> torch.Tensor:
-    """d_raw [c, V] -> d hidden [c, H] in the weight dtype (float8: e5m2 gradient logits)."""
+def _grads_of(d_raw: torch.Tensor, weight: torch.Tensor, fp8, bias: LowRankBias | None):
+    """Weighted gradient logits d_raw [c, V] -> (d hidden [c, H], d bias inputs [c, r], d bias weight
+    [V, r] in >= float32), the matmuls in the weight dtype (float8 with an fp8 head: e5m2 gradient
+    logits, one scale per chunk)."""
     d_raw = d_raw.to(weight.dtype)
-    return d_raw @ weight if fp8 is None else float8_mm(d_raw, fp8.for_grad, gradient=True)
+    d_hidden = d_raw @ weight if fp8 is None else float8_mm(d_raw, fp8.for_grad, gradient=True)
+    if bias is None:
+        return d_hidden, None, None
+    d_in = d_raw @ bias.weight.to(weight.dtype)  # [c, r]
+    d_w = (d_raw.T @ bias.inputs.to(weight.dtype)).to(torch.promote_types(bias.weight.dtype, torch.float32))
+    return d_hidden, d_in, d_w
 
 
-def _rows_fn(compiled: bool, fp8):
-    return compiled_rows() if compiled else fused_rows if fp8 is not None else softmax_rows
+def _chunk(rows_fn, hidden, weight, labels, teacher, bias, valid, want_grad: bool, spec: RowsSpec, fp8=None):
+    """One chunk of whole blocks: (RowsOut fields of its rows, (d hidden, d bias inputs, d bias weight)
+    of its weighted loss sum or None). The row weights (`row_weights`) scale each row's gradient
+    logits before the matmuls, so every gradient is final up to the caller's scalar."""
+    out, d_raw = rows_fn(hidden, weight, labels, teacher, bias, want_grad, spec, fp8)
+    losses, label_logprob = out[0], out[2]
+    w = row_weights(spec.weights, label_logprob, valid).to(losses.dtype)  # [c], no gradient
+    out = (*out, (w * losses).sum(), w)
+    if not want_grad:
+        return out, None
+    return out, _grads_of(d_raw.mul_(w[:, None].to(d_raw.dtype)), weight, fp8, bias)
 
 
-class _LinearSoftmaxLoss(torch.autograd.Function):
-    """forward(hidden [T, H], weight [V, H] (frozen), labels [T] | None, teacher [T, H] | None,
-    bias_inputs [T, r] | None, bias_weight [V, r] | None, chunk, compiled, spec, fp8) -> RowsOut fields.
-
-    Without a bias the gradient of hidden is built chunk by chunk in the forward pass and scaled
-    per row in backward. A bias weight's gradient sums over rows, which needs the per-row scales
-    first: then backward recomputes each chunk's logits (one more lm_head pass, DSpark only)."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, teacher, bias_in, bias_w, chunk: int, compiled: bool,
-                spec: RowsSpec, fp8=None):
-        hidden = hidden.to(weight.dtype)
-        ctx.setup = (chunk, compiled, spec, fp8)
-        recompute = bias_in is not None
-        want_grad = ctx.needs_input_grad[0] and not recompute
-        grad = torch.empty_like(hidden) if want_grad else None
-        rows_fn, parts = _rows_fn(compiled, fp8), []
-        for part in _chunks(hidden.shape[0], chunk):
-            out, d_raw = rows_fn(hidden[part], weight, _part(labels, part), _part(teacher, part),
-                                 _bias_part(bias_in, bias_w, part), want_grad, spec, fp8)
-            parts.append(out)
-            if want_grad:
-                grad[part] = _grads_of(d_raw, weight, fp8)
-        outs = [torch.cat(list(column)) if column[0] is not None else None for column in zip(*parts)]
-        ctx.mark_non_differentiable(*[t for t in outs[1:] if t is not None])
-        ctx.save_for_backward(*((hidden, weight, labels, teacher, bias_in, bias_w) if recompute else (grad,)))
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, grad_losses, *unused):
-        if len(ctx.saved_tensors) == 1:
-            (grad,) = ctx.saved_tensors
-            d_hidden = None if grad is None else grad * grad_losses[:, None].to(grad.dtype)
-            return d_hidden, None, None, None, None, None, None, None, None, None
-        return (*_recomputed_grads(ctx, grad_losses), None, None, None, None)
+def eager_chunk(*args):
+    """`_chunk` of `softmax_rows` (the CPU's eager path)."""
+    return _chunk(softmax_rows, *args)
 
 
-def _chunks(rows: int, chunk: int):
-    return [slice(start, min(start + chunk, rows)) for start in range(0, rows, chunk)]
+def fused_chunk(*args):
+    """`_chunk` of `fused_rows`: compiled (`compiled_chunk`) everything from the logits to the
+    gradients is one graph, so no [c, V] tensor leaves it (test_softmax_rows.py checks the profile)."""
+    return _chunk(fused_rows, *args)
+
+
+@functools.lru_cache(maxsize=None)
+def compiled_chunk():
+    """The chunk function compiled once per process (static shapes: one graph per chunk shape)."""
+    return torch.compile(fused_chunk, dynamic=False)
+
+
+def _chunk_fn(compiled: bool, fp8):
+    return compiled_chunk() if compiled else fused_chunk if fp8 is not None else eager_chunk
+
+
+def _chunks(rows: int, chunk: int, block: int):
+    """Slices of `chunk` rows rounded down to whole blocks of `block` rows (at least one block)."""
+    step = max(block, chunk - chunk % block)
+    return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
 
 def _part(t: torch.Tensor | None, part: slice):
     return None if t is None else t[part]
 
 
-def _bias_part(bias_in, bias_w, part: slice) -> LowRankBias | None:
-    return None if bias_in is None else LowRankBias(bias_in[part], bias_w)
+class _LinearSoftmaxLoss(torch.autograd.Function):
+    """forward(hidden [T, H], weight [V, H] (frozen), labels [T] | None, teacher [T, H] | None,
+    bias_inputs [T, r] | None, bias_weight [V, r] | None, valid [T] | None, chunk, compiled, spec, fp8)
+    -> RowsOut fields; only `loss_sum` (sum_t w_t l_t) carries a gradient.
+
+    Every gradient (hidden's, and the bias's inputs and weight, DSpark's Markov bias) is built chunk
+    by chunk in the forward pass, each row's weighted in; backward scales them by the one scalar
+    it receives."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, teacher, bias_in, bias_w, valid, chunk: int, compiled: bool,
+                spec: RowsSpec, fp8=None):
+        hidden = hidden.to(weight.dtype)
+        needs = ctx.needs_input_grad
+        want_grad = needs[0] or needs[4] or needs[5]
+        fn, parts = _chunk_fn(compiled, fp8), []
+        grads = _GradSums(hidden, bias_in, bias_w) if want_grad else None
+        for part in _chunks(hidden.shape[0], chunk, spec.weights.block):
+            bias = None if bias_in is None else LowRankBias(bias_in[part], bias_w)
+            out, chunk_grads = fn(hidden[part], weight, _part(labels, part), _part(teacher, part), bias,
+                                  _part(valid, part), want_grad, spec, fp8)
+            parts.append(out)
+            if want_grad:
+                grads.add(part, *chunk_grads)
+        outs = [_joined(column) for column in zip(*parts)]
+        ctx.mark_non_differentiable(*[t for i, t in enumerate(outs) if t is not None and i != LOSS_SUM])
+        ctx.bias_dtype = None if bias_w is None else bias_w.dtype
+        ctx.set_materialize_grads(False)  # the other outputs have no gradient: no zeros for them in backward
+        ctx.save_for_backward(*((grads.hidden, grads.bias_in, grads.bias_w) if want_grad else ()))
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grad_outs):
+        scale, needs = grad_outs[LOSS_SUM], ctx.needs_input_grad
+        d_hidden, d_in, d_w = [None if g is None else g * scale.to(g.dtype) for g in ctx.saved_tensors] \
+            if ctx.saved_tensors and scale is not None else (None, None, None)
+        d_w = None if d_w is None else d_w.to(ctx.bias_dtype)
+        return (d_hidden if needs[0] else None, None, None, None, d_in if needs[4] else None,
+                d_w if needs[5] else None, None, None, None, None, None)
 
 
-def _recomputed_grads(ctx, grad_losses):
-    """Gradients of hidden, bias inputs and bias weight, recomputing each chunk's logits (with a bias)."""
-    hidden, weight, labels, teacher, bias_in, bias_w = ctx.saved_tensors
-    chunk, compiled, spec, fp8 = ctx.setup
-    rows_fn = _rows_fn(compiled, fp8)
-    d_hidden, d_in = torch.empty_like(hidden), torch.empty_like(bias_in)
-    acc = torch.promote_types(bias_w.dtype, torch.float32)
-    d_w = torch.zeros(bias_w.shape, dtype=acc, device=bias_w.device)
-    for part in _chunks(hidden.shape[0], chunk):
-        _, d_raw = rows_fn(hidden[part], weight, _part(labels, part), _part(teacher, part),
-                           _bias_part(bias_in, bias_w, part), True, spec, fp8)
-        d_raw = d_raw * grad_losses[part, None].to(d_raw.dtype)  # [c, V]: each row's loss weight
-        d_hidden[part] = _grads_of(d_raw, weight, fp8)
-        d_in[part] = (d_raw.to(bias_w.dtype) @ bias_w).to(d_in.dtype)
-        d_w += d_raw.T.to(acc) @ bias_in[part].to(acc)
-    needs = ctx.needs_input_grad
-    return (d_hidden if needs[0] else None, None, None, None, d_in if needs[4] else None,
-            d_w.to(bias_w.dtype) if needs[5] else None)
+LOSS_SUM = RowsOut._fields.index("loss_sum")
+
+
+def _joined(column):
+    if column[0] is None:
+        return None
+    return torch.stack(column).sum() if column[0].dim() == 0 else torch.cat(list(column))
+
+
+class _GradSums:
+    """The forward's gradients: hidden's and the bias inputs' row by row, the bias weight's summed."""
+
+    def __init__(self, hidden, bias_in, bias_w):
+        self.hidden = torch.empty_like(hidden)
+        self.bias_in = None if bias_in is None else torch.empty_like(bias_in)
+        acc = None if bias_w is None else torch.promote_types(bias_w.dtype, torch.float32)
+        self.bias_w = None if bias_w is None else torch.zeros(bias_w.shape, dtype=acc, device=bias_w.device)
+
+    def add(self, part: slice, d_hidden, d_in, d_w) -> None:
+        self.hidden[part] = d_hidden
+        if d_in is not None:
+            self.bias_in[part] = d_in.to(self.bias_in.dtype)
+            self.bias_w += d_w
 
 
 def linear_softmax_loss(hidden, weight, labels=None, teacher=None, chunk: int = 2048, compiled: bool = False,
-                        spec: RowsSpec = RowsSpec(), fp8=None, bias: LowRankBias | None = None) -> RowsOut:
-    """Chunked lm_head + the per-row loss of `spec.mix` (module doc): labels [T] for the data-token
-    CE (and the confidences), teacher [T, H] (the target's final hidden, final-normed) for the
-    teacher terms, `bias` for a trainable low-rank logit bias (its backward recomputes the logits).
+                        spec: RowsSpec = RowsSpec(), fp8=None, bias: LowRankBias | None = None,
+                        valid: torch.Tensor | None = None) -> RowsOut:
+    """Chunked lm_head + the per-row loss of `spec.mix` (module doc), weighted by `spec.weights`
+    (with `valid` [T], None: all rows): labels [T] for the data-token CE (and the confidences),
+    teacher [T, H] (the target's final hidden, final-normed) for the teacher terms, `bias` for a
+    trainable low-rank logit bias. `loss_sum` is the one output with a gradient.
 
-    compiled=True runs each chunk through `compiled_rows` (GPU training: fused passes); fp8, a
-    `fp8.Float8Head` of weight, runs the lm_head's matmuls in float8 (train.fp8_lm_head)."""
+    compiled=True runs each chunk through `compiled_chunk` (GPU training: one fused graph from the
+    logits to the gradients); fp8, a `fp8.Float8Head` of weight, runs the lm_head's matmuls in float8
+    (train.fp8_lm_head)."""
     mix = spec.mix
     if mix.ce and labels is None:
         raise ValueError(f"{mix}: the data-token cross-entropy needs labels")
     if mix.needs_teacher and teacher is None:
         raise ValueError(f"{mix}: the teacher terms need the target's final hidden state (teacher)")
+    if spec.weights.kind == "dpace" and labels is None:
+        raise ValueError("D-PACE weights need labels (the drafter's confidence in the data token)")
     bias_in, bias_w = bias if bias is not None else (None, None)
     out = _LinearSoftmaxLoss.apply(hidden, weight, labels, teacher if mix.needs_teacher else None, bias_in, bias_w,
-                                   chunk, compiled, spec, fp8)
+                                   valid, chunk, compiled, spec, fp8)
     return RowsOut(*out)

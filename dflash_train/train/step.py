@@ -29,7 +29,7 @@ from dflash_train.model.scaling import scale_embeddings
 from dflash_train.train.batching import MicroBatch, to_device
 from dflash_train.train.grads import float32_grads
 from dflash_train.train.loss import CE, LossMix, LossStats, Objective, block_loss, teacher_hidden_at
-from dflash_train.train.optim import divides_gradients, step_unless
+from dflash_train.train.optim import divides_gradients, share_over_ranks, step_unless
 from dflash_train.train.softmax_rows import RowsSpec
 from dflash_train.train.vocab import VocabSubset
 
@@ -149,6 +149,7 @@ def train_step(model, optimizer, scheduler, mbs: list[MicroBatch], ctx: StepCont
     skips the update on the host (the reference a test compares the guard with).
     """
     grads32 = float32_grads(optimizer, len(mbs), ctx.num_drafters, ctx.dp_group)  # None: the .grads as they are
+    share_over_ranks(optimizer, ctx.num_drafters, ctx.dp_group)  # Muon: each rank its share of the matrices
     ddp = ctx.num_drafters > 1 and grads32 is None  # parallelize wrapped the model
     total, losses = None, []
     for i, mb in enumerate(mbs):

@@ -305,6 +305,7 @@ def _head_problem(device, mix, compiled=False):
     the float32 reference of the same bf16 inputs."""
     from dflash_train.fp8 import float8_head
     from dflash_train.train.loss import linear_softmax_loss
+    from dflash_train.train.softmax_rows import RowsSpec
 
     g = torch.Generator().manual_seed(0)
     hidden = (torch.randn(96, 64, generator=g) * 2).to(device, torch.bfloat16)
@@ -314,9 +315,10 @@ def _head_problem(device, mix, compiled=False):
     out = {}
     for name, fp8, w in (("exact", None, weight.float()), ("bf16", None, weight), ("fp8", float8_head(weight), weight)):
         h = (hidden.float() if name == "exact" else hidden).clone().requires_grad_(True)
-        loss, _ = linear_softmax_loss(h, w, labels, teacher.to(w.dtype), chunk=40, mix=mix, fp8=fp8,
-                                      compiled=compiled and name != "exact")
-        loss.float().sum().backward()
+        rows = linear_softmax_loss(h, w, labels, teacher.to(w.dtype), chunk=40, spec=RowsSpec(mix), fp8=fp8,
+                                   compiled=compiled and name != "exact")
+        loss = rows.losses
+        rows.loss_sum.float().backward()
         out[name] = (loss.detach().float(), h.grad.float())
     return out
 

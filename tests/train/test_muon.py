@@ -13,7 +13,7 @@ from torch import nn
 
 from dflash_train.config import OptimConfig
 from dflash_train.train.loop import train
-from dflash_train.train.muon import MuonAdamW, muon_split
+from dflash_train.train.muon import MuonAdamW, muon_split, uses_gram
 from dflash_train.train.optim import build_optimizer, full_precision_weights, lr_factor, param_dtype
 from dflash_train.train.parallel import apply_precision
 from dflash_train.train.step import clip_and_step, health_flags, total_grad_norm
@@ -92,7 +92,7 @@ def test_the_update_is_torch_muon_and_adamw_on_float32_parameters(master):
     param_groups. Muon's part is equal bit for bit (the float32 masters are the reference's
     parameters); AdamW's to MasterWeightAdamW's rounding; the bf16 weights are the masters rounded."""
     lrs = [1e-2, 5e-3, 2e-2, 1e-3, 1e-2, 3e-3]
-    model, opt = _ours(master)[:2]
+    model, opt = _ours(master, muon_iteration="newton_schulz")[:2]
     ref = Mixed()
     ref_muon = torch.optim.Muon([ref.up_proj, ref.down_proj], lr=LR, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
     ref_adamw = torch.optim.AdamW([ref.norm, ref.bias, ref.markov_w1], lr=LR, betas=(0.9, 0.95),
@@ -160,16 +160,19 @@ def test_a_non_finite_step_leaves_weights_and_all_state_untouched(master, bad_fi
 
 
 @pytest.mark.parametrize("master", [True, False])
-def test_resume_equals_the_uninterrupted_run(master):
+@pytest.mark.parametrize("iteration", ["gram", "newton_schulz"])
+def test_resume_equals_the_uninterrupted_run(master, iteration):
     """6 steps against 3, a checkpoint (the float32 weights, the optimizer and scheduler states
     through torch.save / torch.load(weights_only=True), as the Checkpointer stores them) into a
-    fresh model of other weights, then 3 more: equal bit for bit. The warm-up moves the lr every
-    step, so a loaded Muon part that stopped following the scheduler would differ."""
-    whole, opt_whole, sched_whole = _ours(master, total_steps=12, warmup_ratio=0.5)
+    fresh model of other weights, then 3 more: equal bit for bit, for the Gram form (Mixed's [40, 24]
+    matrices take it) and the standard one. The warm-up moves the lr every step, so a loaded Muon part
+    that stopped following the scheduler would differ."""
+    settings = dict(total_steps=12, warmup_ratio=0.5, muon_iteration=iteration)
+    whole, opt_whole, sched_whole = _ours(master, **settings)
     for step in range(6):
         _our_step(whole, opt_whole, step)
         sched_whole.step()
-    first, opt_first, sched_first = _ours(master, total_steps=12, warmup_ratio=0.5)
+    first, opt_first, sched_first = _ours(master, **settings)
     for step in range(3):
         _our_step(first, opt_first, step)
         sched_first.step()
@@ -179,7 +182,7 @@ def test_resume_equals_the_uninterrupted_run(master):
     torch.save({"optimizer": opt_first.state_dict(), "scheduler": sched_first.state_dict()}, buffer)
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=True)
-    second, opt_second, sched_second = _ours(master, seed=1, total_steps=12, warmup_ratio=0.5)
+    second, opt_second, sched_second = _ours(master, seed=1, **settings)
     with full_precision_weights(opt_second):
         second.load_state_dict(saved_weights)
     opt_second.load_state_dict(saved["optimizer"])
@@ -189,6 +192,7 @@ def test_resume_equals_the_uninterrupted_run(master):
         sched_second.step()
     got, want = _snapshot(second, opt_second), _snapshot(whole, opt_whole)
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert opt_second.muon.gram == (iteration == "gram") and uses_gram(24, 40, 5)
     assert [g["lr"] for g in opt_second.muon.param_groups + opt_second.adamw.param_groups] == \
         [g["lr"] for g in opt_whole.param_groups]
 

@@ -1,0 +1,64 @@
+"""Loss trajectories of the golden run (tests/golden/loop_golden.py: the tiny recipe on the tiny random
+Qwen3, CPU, float32) trained with Muon under each `optim.muon_iteration`, side by side. By hand only:
+
+    python tests/golden/muon_ab.py [--steps 48] [--arms newton_schulz,gram,gram_fp16,polar_express]
+
+`gram_fp16` is the Gram form in the GPU's float16 (on a CPU `gram` runs it in float32, docs/PERF.md 3.7).
+Prints every arm's losses, each arm's largest and mean |loss - newton_schulz's| and its final loss;
+docs/PERF.md 3.7 holds the figures."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: `tests.` imports
+
+from tests.conftest import _smollm2_hf_dir, save_tiny_qwen3_dir  # noqa: E402
+from tests.golden.loop_golden import TARGET_INIT_STD, golden_config  # noqa: E402
+
+from dflash_train.train import muon  # noqa: E402
+from dflash_train.train.loop import train  # noqa: E402
+
+
+def losses(target_dir: Path, out_dir: Path, arm: str, steps: int) -> list[float]:
+    iteration = "gram" if arm == "gram_fp16" else arm
+    real = muon.gram_orthogonalise
+    if arm == "gram_fp16":
+        muon.gram_orthogonalise = lambda x, *args: real(x, *args[:3], torch.float16)
+    try:
+        train(golden_config(target_dir, out_dir, "optim.name=muon", f"optim.muon_iteration={iteration}",
+                            f"train.max_steps={steps}", "train.epochs=100", "train.eval_every=1000",
+                            "train.ckpt_every=1000"))
+    finally:
+        muon.gram_orthogonalise = real
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records if "loss" in r]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=48)
+    p.add_argument("--arms", default="newton_schulz,gram,gram_fp16,polar_express")
+    a = p.parse_args()
+    arms = a.arms.split(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        tokenizer = AutoTokenizer.from_pretrained(_smollm2_hf_dir(), local_files_only=True)
+        target_dir = save_tiny_qwen3_dir(Path(tmp) / "target", tokenizer, init_std=TARGET_INIT_STD)
+        runs = {arm: losses(target_dir, Path(tmp) / arm, arm, a.steps) for arm in arms}
+    base = runs[arms[0]]
+    for arm, run in runs.items():
+        gaps = [abs(x - y) for x, y in zip(run, base)]
+        print(f"{arm}: losses {[round(x, 4) for x in run]}")
+        print(f"{arm}: vs {arms[0]} max |diff| {max(gaps):.4f}, mean {sum(gaps) / len(gaps):.4f}; "
+              f"first {run[0]:.4f} last {run[-1]:.4f}; mean of the last 8 {sum(run[-8:]) / 8:.4f}")
+
+
+if __name__ == "__main__":
+    main()
