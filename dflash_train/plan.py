@@ -44,6 +44,7 @@ from pathlib import Path
 import torch
 
 from dflash_train.config import RunConfig, block_size_of
+from dflash_train.model.architectures import head, head_settings
 from dflash_train.model.config import DrafterConfig, drafter_config_from_target
 
 GIB = 2**30
@@ -221,30 +222,42 @@ class RunShape:
     chunk_tokens: int = 2048
     max_in_flight: int = 2
     taps_bytes: int = BF16
+    arch: str = "dflash"
+    """The drafter's head (model/architectures.py): its own parameters and drafted tokens count."""
+    head_settings: tuple[tuple[str, object], ...] = ()
+    """The heads' `drafter.*` settings, as (field, value)."""
 
     @classmethod
     def from_run_config(cls, cfg: RunConfig, drafter_processes: int = 1) -> "RunShape":
         accum = max(1, cfg.train.seqs_per_step // (cfg.train.micro_batch * drafter_processes))
         return cls(cfg.drafter.num_layers, block_size_of(cfg.drafter), cfg.train.num_anchors, cfg.data.max_len,
                    cfg.train.micro_batch, accum, cfg.drafter.num_taps, cfg.loss.chunk_tokens,
-                   cfg.topology.max_in_flight)
+                   cfg.topology.max_in_flight, arch=cfg.drafter.arch,
+                   head_settings=tuple(head_settings(cfg.drafter).items()))
 
     @property
     def block_tokens(self) -> int:
         return self.num_anchors * self.block_size
 
+    @property
+    def drafted(self) -> int:
+        """Tokens a block drafts: the rows the loss scores per block (the head's)."""
+        return head(self.arch).module.drafted(self.block_size)
+
 
 def drafter_config(shape: TargetShape, run: RunShape) -> DrafterConfig:
     return drafter_config_from_target(shape.config, num_layers=run.drafter_layers, block_size=run.block_size,
-                                      mask_token_id=0, num_taps=run.num_taps)
+                                      mask_token_id=0, num_taps=run.num_taps, arch=run.arch,
+                                      head_settings=dict(run.head_settings))
 
 
 def drafter_params(d: DrafterConfig) -> int:
-    """Trainable parameters: layers (attention, q/k norms, SwiGLU MLP, two norms), fc, two norms."""
+    """Trainable parameters: layers (attention, q/k norms, SwiGLU MLP, two norms), fc, two norms, and the
+    head's own (`Head.parameters`: DFlash 2's convolutions and codebooks, DSpark's Markov tables, ...)."""
     q, kv, h = d.num_heads * d.head_dim, d.num_kv_heads * d.head_dim, d.hidden_size
     attention = h * q * 2 + h * kv * 2 + 2 * d.head_dim + (q + 2 * kv + h if d.attention_bias else 0)
     layer = attention + 3 * h * d.intermediate_size + 2 * h
-    return d.num_layers * layer + d.num_taps * h * h + 2 * h
+    return d.num_layers * layer + d.num_taps * h * h + 2 * h + head(d.arch).parameters(d)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,7 +312,7 @@ def drafter_memory(shape: TargetShape, run: RunShape, with_embeddings: bool = Tr
     if with_embeddings:
         parts["embeddings"] = shape.embedding_params * BF16
     parts["activations"] = (block * per_block_token + context * per_context) * BF16 + block * h * 4
-    loss_rows = min(run.chunk_tokens, run.num_anchors * (run.block_size - 1))
+    loss_rows = min(run.chunk_tokens, run.num_anchors * run.drafted)
     parts["loss_chunk"] = loss_rows * shape.vocab * 2 * BF16
     parts["taps"] = _taps_bytes(shape, run) * in_flight
     return Memory(parts)
@@ -327,7 +340,7 @@ def drafter_flops(d: DrafterConfig, run: RunShape) -> float:
     block, s = run.block_tokens, run.seq_len
     visible = block * ((s - 1) / 2 + run.block_size)
     trained = d.num_layers * (2 * block * layer + 2 * s * 2 * h * kv + 4 * visible * q)
-    frozen = 2 * run.num_anchors * (run.block_size - 1) * h * d.vocab_size + 2 * s * d.num_taps * h * h
+    frozen = 2 * run.num_anchors * run.drafted * h * d.vocab_size + 2 * s * d.num_taps * h * h
     return 3 * trained + 2 * frozen
 
 

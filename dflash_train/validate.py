@@ -4,8 +4,9 @@ problem found listed, each naming its `section.field` and the fix.
 
 `validate_config` checks what any command reads (allowed values, positive sizes, fractions); the
 per-command functions add what that command needs (a field that must be set, a file that must
-exist); `validate_run` adds the training run's topology and batch arithmetic. The doctor's parent
-process runs these too and never imports torch, so neither does this module.
+exist); `validate_run` adds the training run's topology and batch arithmetic. Nothing here touches a
+device (the doctor's parent process runs these too); torch is imported with the config tree, whose
+drafter section takes its head settings from the head files (model/architectures.py).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflash_train.config import RESUME_CHANGEABLE, ConfigError, RunConfig, block_size_of
+from dflash_train.model.architectures import setting_problems
 from dflash_train.overrides import allowed_values, settings
 from dflash_train.data.train_spec import parse_train_spec
 from dflash_train.diagnostics.doctor import STAGE_KINDS
@@ -28,8 +30,6 @@ BUILTIN_TARGETS = ("smollm2",)
 # Fields that must be > 0 (when set: None keeps its meaning).
 POSITIVE = (
     "drafter.num_layers", "drafter.num_taps", "drafter.sliding_window", "drafter.init_norm_scale",
-    "drafter.conv_kernel_size", "drafter.conv_group_size", "drafter.selector_rank", "drafter.selector_top_k",
-    "drafter.markov_rank",
     "data.max_len", "data.max_samples", "data.text_prompt_tokens", "data.regen_max_new_tokens", "data.regen_batch_size", "data.shard_mb",
     "data.prepare_batch_tokens", "loss.gamma", "loss.chunk_tokens", "loss.train_vocab", "loss.temperature",
     "optim.lr", "train.epochs", "train.max_steps", "train.max_minutes", "train.num_anchors", "train.seqs_per_step",
@@ -80,6 +80,8 @@ def config_problems(cfg: RunConfig) -> list[str]:
             low, high, closed = RANGES[key]
             if not (low <= value <= high if closed else low <= value < high):
                 problems.append(f"{key}={value}: must be in [{low}, {high}{']' if closed else ')'}")
+    heads = [f"drafter.{problem}" for problem in setting_problems(cfg.drafter)]  # each head's own checks
+    problems += [problem for problem in heads if problem not in problems]  # a Literal's is already named
     if block_size_of(cfg.drafter) < 2:
         problems.append(f"drafter.block_size={block_size_of(cfg.drafter)}: must be >= 2 (slot 0 is the anchor, "
                         "the drafter predicts slots 1..block_size-1)")

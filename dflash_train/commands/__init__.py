@@ -9,8 +9,11 @@ A command module defines:
     ALIASES    its flags, each one a spelling of config overrides
     validate(cfg)  raises ConfigError before anything heavy is loaded
     run(cfg)       returns the verdict's detail (or a Verdict); raises on failure
-Command modules import torch and the library inside `run` only, so `--help`, `--print-config` and a
-config error answer at once, and the doctor's parent process never imports torch.
+Command modules import the library inside `run` only, so `--help`, `--print-config` and a config error
+answer before any model, data or device is touched. torch itself is imported with the config tree
+(its drafter section takes the heads' settings from the head files, model/architectures.py, which are
+torch modules: about 2 s on a 2-core CPU), but nothing initialises a device before `run`, and the
+doctor's parent process never does.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ ALIASES = (Alias("--drafter", "check.drafter"), Alias("--target", "target.model"
 
 
 def run(cfg) -> str | Verdict:
-    # torch and the model code load here only (see commands/__init__.py)
+    # the model code loads here only (see commands/__init__.py)
     from dflash_train.model.engine_rules import verdicts
     from dflash_train.model.hf_format import TRAINED_AGAINST
     from dflash_train.model.serving_check import check_drafter, engine_notes, serve_instructions

@@ -1,6 +1,6 @@
 """`dflash-train doctor [--devices cpu|cuda|all] [--target T] [--quick] [...]`: staged checks of the
 machine, each stage in its own child process under a time limit (diagnostics/doctor.py). This
-process never imports torch."""
+process never touches a device or compiles (torch is imported with the config tree only)."""
 
 from __future__ import annotations
 

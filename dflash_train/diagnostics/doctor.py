@@ -8,7 +8,8 @@ Every stage runs in its own child process (`stages.py`) under `--stage-timeout`:
 (the compile deadlock of shared/docs/compile-race.md printed nothing for hours) is asked for its
 stacks with SIGUSR1, killed, reported as FAIL with those stacks, and the doctor goes on. The compile
 stages start one process per device at once, sharing a fresh TORCHINDUCTOR_CACHE_DIR: the layout
-training uses. This parent never imports torch, so nothing torch does can wedge it.
+training uses. This parent never initialises a device or compiles (torch is imported with the config
+tree, nothing more), so nothing a device or the compiler does can wedge it.
 
 Tests inject faults with DFLASH_DOCTOR_INJECT=hang:<stage>,fail:<stage>,crash:<stage> (a stage name
 such as `devices` or `compile[cpu]`; `compile` matches every device) or `run_doctor(inject=...)`.

@@ -9,9 +9,9 @@ Conventions:
   over `layer_ids`.
 - One step: draft block `[anchor, MASK x (B-1)]` at positions [start, start+B), embedded with the
   target's embedding (times `input_embedding_scale`; logits as the target scales them, model/scaling.py);
-  the drafter proposes D tokens (DFlash: slots 1..B-1, D = B - 1; DSpark drafts
-  from the anchor's slot too, D = B), walked as its architecture drafts (`DFlashDrafter.propose`:
-  independently per slot for DFlash, a chain on the previous token for DFlash 2 and DSpark); the
+  the drafter proposes D tokens (DFlash: slots 1..B-1, D = B - 1; a head may draft from the
+  anchor's slot too, DSpark's D = B), walked as its head drafts (`DFlashDrafter.propose`:
+  independently per slot for DFlash, a chain on the previous tokens for the other heads); the
   target reads the anchor and the D drafts in one forward; `acc` = number of accepted draft tokens
   (0..D); the step emits acc + 1 tokens (the
   accepted drafts plus the target's correction/bonus token), the target cache is cropped to
@@ -314,10 +314,17 @@ def draft_head(hidden: torch.Tensor, head: "torch.Tensor | DraftHead", scaling: 
 def draft_block(drafter: DFlashDrafter, ctx: ContextCache, anchor: int, embed_weight: torch.Tensor,
                 head: DraftHead, block_size: int, temperature: float, generator=None):
     """One block's draft: (tokens [D], q [D, V] the distributions they were drawn from, or None when
-    greedy), walked as the drafter's architecture drafts (`DFlashDrafter.propose`)."""
+    greedy), walked as the drafter's head drafts (`DFlashDrafter.propose`)."""
     hidden = draft_hidden(drafter, ctx, anchor, embed_weight, block_size)
     head = head if isinstance(head, DraftHead) else DraftHead.of(head, scaling=drafter.config.scaling)
-    return drafter.propose(hidden[drafter.drafted_offset:], anchor, head, temperature, generator)
+    first, p = drafter.drafted_offset, _param(drafter)
+
+    def embed(ids: torch.Tensor) -> torch.Tensor:  # drafted tokens' embeddings, for a head that reads them
+        rows = scale_embeddings(embed_weight[ids.to(embed_weight.device)], drafter.config.input_embedding_scale)
+        return rows.to(p.device, p.dtype)
+
+    rows = hidden[first:first + drafter.drafted(block_size)]  # [D, H]
+    return drafter.propose(rows, anchor, head, temperature, generator, embed=embed)
 
 
 def verify_block(anchor: int, draft: torch.Tensor) -> torch.Tensor:

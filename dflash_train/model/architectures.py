@@ -1,68 +1,93 @@
-"""The one place that maps `DrafterConfig.arch` to a drafter class and to its checkpoint names.
+"""The registry of drafter heads: the one list every consumer derives the heads from.
 
-Everything else builds drafters through `build_drafter` and reads or writes configs through
-`hf_format`, which asks this table: the training loop, the sources, checkpoints and evaluation never
-ask which architecture they hold.
+Each head is one file that declares everything about itself (model/head.py: `Head`); adding a head
+is its file, its import and its entry below. From this list come the config tree's `drafter.arch` choices and
+`drafter.*` head settings (config.py, model/config.py), their checks (validate.py), the block a head
+is published with, the parameters Muon leaves to AdamW (train/muon.py), the plan's parameter counts
+(plan.py), the export and `check` rules (model/hf_format.py, model/serving_check.py), the benches'
+choices and the tests' parametrisations. Nothing else asks which head trains.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from dflash_train.model.config import DrafterConfig
-from dflash_train.model.dflash2 import DFlash2Drafter
+from dflash_train.model import dflash2, domino, drafter, dspark
 from dflash_train.model.drafter import DFlashDrafter
-from dflash_train.model.dspark import DSparkDrafter
+from dflash_train.model.drafter_shape import DrafterShape
+from dflash_train.model.head import Head
+
+HEADS: dict[str, Head] = {h.name: h for h in (drafter.HEAD, dflash2.HEAD, dspark.HEAD, domino.HEAD)}
+"""Name -> head, in the order the CLI lists them."""
+HEAD_NAMES = tuple(HEADS)
+SETTINGS = tuple(h.settings for h in HEADS.values() if h.settings is not None)
+"""Every head's settings dataclass: the config tree and DrafterConfig inherit their fields."""
 
 
-@dataclass(frozen=True)
-class Architecture:
-    cls: type
-    architectures: tuple[str, ...]
-    """config.json `architectures` we write: the engines pick their drafter class by it."""
-    dflash_keys: tuple[str, ...] = ()
-    """DrafterConfig fields written to (and read from) `dflash_config`."""
-    constants: tuple[tuple[str, object], ...] = ()
-    """Fixed keys the engines read, which describe what this trainer's class is (written, and checked)."""
-    top_level: bool = False
-    """The keys above at the top level of config.json instead of in `dflash_config`: vLLM reads DSpark's
-    keys there only (vllm/model_executor/models/qwen3_dspark.py, spec_decode/dspark/config.py), and its
-    DFlash base class, which DSpark's speculator runs first, refuses a truthy
-    `dflash_config.sample_from_anchor` (v1/worker/gpu/spec_decode/dflash/speculator.py); SGLang reads
-    `markov_rank` and `markov_head_type` from either place and `sample_from_anchor` from the top level
-    only; DeepSeek's DeepSpec exporter writes them all at the top level."""
-    also_read: tuple[tuple[str, ...], ...] = ()
-    """Other `architectures` lists that name the same drafter."""
-    vllm_method: str = "dflash"
-    sglang_algorithm: str = "DFLASH"
-
-    def drafted(self, block_size: int) -> int:
-        """Tokens one step drafts: vLLM's num_speculative_tokens (SGLang's draft tokens are one more)."""
-        return block_size - self.cls.drafted_offset
+def _owners() -> dict[str, str]:
+    owners = {}
+    for head in HEADS.values():
+        for name in head.setting_names():
+            if name in owners:  # two heads' settings would silently merge in the config tree
+                raise ValueError(f"heads {owners[name]} and {head.name} both declare the setting {name!r}")
+            owners[name] = head.name
+    return owners
 
 
-ARCHITECTURES = {
-    "dflash": Architecture(DFlashDrafter, ("DFlashDraftModel",)),
-    "dflash2": Architecture(DFlash2Drafter, ("DFlash2DraftModel",),
-                            ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")),
-    # engine-formats.md A: the flat format DeepSeek's DeepSpec writes, which vLLM and SGLang both load
-    "dspark": Architecture(DSparkDrafter, ("Qwen3DSparkModel",), ("markov_rank",),
-                           (("markov_head_type", "vanilla"), ("enable_confidence_head", True),
-                            ("confidence_head_with_markov", True), ("sample_from_anchor", True)),
-                           top_level=True, also_read=(("DSparkDraftModel",),), vllm_method="dspark",
-                           sglang_algorithm="DSPARK"),
-}
+SETTING_OWNERS = _owners()
+"""Head setting -> the head that declares it."""
 
 
-def build_drafter(cfg: DrafterConfig) -> DFlashDrafter:
+def head(name: str) -> Head:
+    """The registered head `name`; a ValueError listing the heads otherwise."""
+    if name not in HEADS:
+        raise ValueError(f"drafter head {name!r}: expected one of {', '.join(HEADS)}")
+    return HEADS[name]
+
+
+def build_drafter(cfg: DrafterShape) -> DFlashDrafter:
     """The drafter module of cfg.arch (parameters uninitialised: call `reset_parameters`)."""
-    return ARCHITECTURES[cfg.arch].cls(cfg)
+    return head(cfg.arch).module(cfg)
 
 
-def arch_of_architectures(names, source: str = "config.json") -> str:
-    """The arch whose `architectures` list a checkpoint names; a ValueError naming the file otherwise."""
-    for arch, spec in ARCHITECTURES.items():
-        if list(names or []) in [list(spec.architectures), *map(list, spec.also_read)]:
-            return arch
-    known = ", ".join(f"{list(a.architectures)}" for a in ARCHITECTURES.values())
+def head_settings(values) -> dict:
+    """Every head's settings read off `values` (a DrafterConfig or the config tree's drafter section)."""
+    return {name: getattr(values, name) for name in SETTING_OWNERS}
+
+
+def others_at_defaults(name: str) -> dict:
+    """The settings of every head but `name`, at their defaults: a config carries only its own head's."""
+    return {setting: HEADS[owner].setting_defaults()[setting]
+            for setting, owner in SETTING_OWNERS.items() if owner != name}
+
+
+def setting_problems(values, hidden_size: int | None = None, only: str | None = None) -> list[str]:
+    """What cannot work in the heads' settings of `values` (every head's, or head `only`'s), by field."""
+    heads = [head(only)] if only else HEADS.values()
+    return [problem for h in heads for problem in h.problems(values, hidden_size)]
+
+
+def outside_muon() -> tuple[str, ...]:
+    """Words in the names of head parameters that AdamW keeps instead of Muon (each head's own)."""
+    return tuple(word for h in HEADS.values() for word in h.outside_muon)
+
+
+def _place(d: dict, key: str):
+    """A key as the engines look for it: `dflash_config` first, then the top level."""
+    dflash = d.get("dflash_config") or {}
+    return dflash.get(key, d.get(key))
+
+
+def head_of_config(d: dict, source: str = "config.json", absent: tuple[str, ...] = ()) -> Head:
+    """The head a checkpoint's config.json describes: its `architectures` (`absent` where it has none),
+    and among heads sharing those the one whose marks it carries; a ValueError naming the file otherwise."""
+    names = list(d.get("architectures") or absent)
+    named = [h for h in HEADS.values()
+             if names in [list(h.export.architectures), *map(list, h.export.also_read)]]
+    marked = [h for h in named if all(_place(d, key) == value for key, value in h.export.marks)]
+    if marked:
+        return max(marked, key=lambda h: len(h.export.marks))
+    known = ", ".join(f"{list(h.export.architectures)}" for h in HEADS.values())
     raise ValueError(f"{source}: architectures {names!r} is not a drafter this trainer reads ({known})")
+
+
+PLAIN = ("DFlashDraftModel",)
+"""What a config.json without `architectures` is read as (z-lab's older drafters)."""

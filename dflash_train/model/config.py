@@ -8,85 +8,30 @@ quarter of the head at inference and collapses acceptance (spec 1.7).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from dataclasses import fields as dataclass_fields
+from dataclasses import dataclass, replace
 
+from dflash_train.model.architectures import SETTINGS, head, others_at_defaults, setting_problems
 from dflash_train.model.attention import FULL, SLIDING
+from dflash_train.model.drafter_shape import DrafterShape
 from dflash_train.model.scaling import Scaling, scaling_problems, target_scaling
 from dflash_train.model.taps import build_target_layer_ids
 
 
-ARCHS = ("dflash", "dflash2", "dspark")
-"""Drafter architectures; `model/architectures.py` maps each to its class and export names."""
-
-
 @dataclass(frozen=True, kw_only=True)
-class DrafterConfig:
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    """Rows of the target's embedding table (the mask token must be one of them)."""
-    block_size: int
-    mask_token_id: int
-    target_layer_ids: tuple[int, ...]
-    """z-lab semantics: output of target decoder layer i (HF hidden_states[i + 1])."""
-    num_target_layers: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1e6
-    max_position_embeddings: int = 32768
-    layer_types: tuple[str, ...] = ()
-    """Per layer: full_attention or sliding_attention. Empty means all full attention."""
-    sliding_window: int | None = None
-    window_causal: bool = True
-    """Sliding-window layers causal inside the block (z-lab's reading of a config without `is_causal`);
-    False = the 2026 drafters' non-causal window (`is_causal: false`): the block stays bidirectional."""
-    attention_bias: bool = False
-    arch: str = "dflash"
-    """The drafter's architecture (model/architectures.py): dflash | dflash2 | dspark."""
-    conv_kernel_size: int = 2
-    """DFlash 2: taps of the grouped dynamic convolutions around each sublayer (K)."""
-    conv_group_size: int = 16
-    """DFlash 2: channels sharing one dynamic kernel weight (G)."""
-    selector_rank: int = 256
-    """DFlash 2: rank r of the candidate selector's codebooks and hidden projection."""
-    selector_top_k: int = 16
-    """DFlash 2: candidates per drafted slot (the top-k of the unary logits)."""
-    markov_rank: int = 256
-    """DSpark: rank of the Markov logit bias W2 @ W1[previous token]."""
-    bos_token_id: int | None = None
-    eos_token_id: int | list[int] | None = None
-    input_embedding_scale: float = 1.0
-    """The target's embedding scale (Gemma: sqrt(hidden_size)): block embeddings are table rows times it."""
-    output_multiplier: float = 1.0
-    """The target's logit multiplier: logits = lm_head(h) * output_multiplier (model/scaling.py)."""
-    final_logit_softcapping: float | None = None
-    """The target's logit soft cap c: logits = c * tanh(logits / c); None: no cap."""
-    extra: dict = field(default_factory=dict, compare=False)
-    """Optional z-lab keys read from a published checkpoint, carried through unchanged."""
+class DrafterConfig(*reversed(SETTINGS), DrafterShape):
+    """The backbone's fields (`DrafterShape`) and every head's settings (each head file's settings
+    dataclass; those of a head other than `arch` keep their defaults), validated on construction."""
 
-    def __post_init__(self):  # noqa: C901 - normalisations, then validation
+    def __post_init__(self):
         if not self.layer_types:
             object.__setattr__(self, "layer_types", (FULL,) * self.num_layers)
         object.__setattr__(self, "target_layer_ids", tuple(int(i) for i in self.target_layer_ids))
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if SLIDING not in self.layer_types:  # meaningless without a sliding layer: one value, so configs compare equal
             object.__setattr__(self, "window_causal", True)
-        for name, owner in ARCH_FIELDS.items():  # another architecture's settings: the defaults, likewise
-            if self.arch != owner:
-                object.__setattr__(self, name, _FIELD_DEFAULTS[name])
+        for name, default in others_at_defaults(self.arch).items():  # another head's settings: likewise
+            object.__setattr__(self, name, default)
         self.validate()
-
-    @property
-    def num_taps(self) -> int:
-        return len(self.target_layer_ids)
-
-    @property
-    def scaling(self) -> Scaling:
-        return Scaling(self.input_embedding_scale, self.output_multiplier, self.final_logit_softcapping)
 
     def validate(self) -> None:
         """Raise ValueError naming the field for any setting that cannot work."""
@@ -110,10 +55,9 @@ class DrafterConfig:
             raise ValueError(f"layer_types: unknown {sorted(unknown)}; expected {FULL} or {SLIDING}")
         if SLIDING in self.layer_types and not self.sliding_window:
             raise ValueError("layer_types has sliding_attention layers but sliding_window is not set")
-        if self.arch not in ARCHS:
-            raise ValueError(f"arch {self.arch!r}: expected one of {', '.join(ARCHS)}")
-        if self.arch == "dflash2" and self.hidden_size % self.conv_group_size:
-            raise ValueError(f"conv_group_size {self.conv_group_size} does not divide hidden_size {self.hidden_size}")
+        head(self.arch)  # a ValueError listing the heads
+        for problem in setting_problems(self, self.hidden_size, only=self.arch):
+            raise ValueError(problem)
         if SLIDING in self.layer_types and self.sliding_window < self.block_size:
             raise ValueError(f"sliding_window {self.sliding_window} is smaller than block_size {self.block_size}: "
                              "a block's own slots would fall out of each other's window")
@@ -133,12 +77,6 @@ class DrafterConfig:
             raise ValueError(f"num_target_layers {self.num_target_layers} differs from the target's {target_num_layers}")
         if self.vocab_size != target_vocab_size:
             raise ValueError(f"vocab_size {self.vocab_size} differs from the target embedding rows {target_vocab_size}")
-
-
-ARCH_FIELDS = {"conv_kernel_size": "dflash2", "conv_group_size": "dflash2", "selector_rank": "dflash2",
-               "selector_top_k": "dflash2", "markov_rank": "dspark"}
-"""DrafterConfig fields that belong to one architecture (elsewhere they keep their defaults)."""
-_FIELD_DEFAULTS = {f.name: f.default for f in dataclass_fields(DrafterConfig)}
 
 
 def last_layer_tap_problem(target_layer_ids, num_target_layers: int) -> str | None:
@@ -221,9 +159,11 @@ WINDOW_LAYERS = ("all", "all_but_last")
 def drafter_config_from_target(target_config, *, num_layers: int, block_size: int, mask_token_id: int,
                                target_layer_ids=None, num_taps: int = 5, sliding_window: int | None = None,
                                window_layers: str = "all", window_causal: bool = False,
-                               vocab_size: int | None = None, arch: str = "dflash") -> DrafterConfig:
+                               vocab_size: int | None = None, arch: str = "dflash",
+                               head_settings: dict | None = None) -> DrafterConfig:
     """Derive the drafter from the target: width, heads, head_dim, rope theta, eps, vocab, taps, and how
-    the target scales its embeddings and logits (model/scaling.py).
+    the target scales its embeddings and logits (model/scaling.py); `head_settings` the heads' own
+    (`drafter.*` fields of model/architectures.py's heads; absent ones take their defaults).
 
     With `sliding_window`, every layer is sliding_attention (`window_layers="all"`, the 2026
     drafters) or all but the last (`"all_but_last"`, the published Qwen3.6-27B drafter);
@@ -259,6 +199,7 @@ def drafter_config_from_target(target_config, *, num_layers: int, block_size: in
         window_causal=window_causal,
         attention_bias=bool(getattr(cfg, "attention_bias", False)),
         arch=arch,
+        **(head_settings or {}),
         bos_token_id=getattr(cfg, "bos_token_id", None),
         eos_token_id=getattr(cfg, "eos_token_id", None),
         **scaling.as_dict(),

@@ -27,12 +27,27 @@ fused).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dflash_train.model.config import DrafterConfig
 from dflash_train.model.drafter import DFlashDecoderLayer, DFlashDrafter
+from dflash_train.model.drafter_shape import DrafterShape
+from dflash_train.model.head import SGLANG, VLLM, Engine, Export, Head, must_be_positive
+
+
+@dataclass(frozen=True, kw_only=True)
+class DFlash2Settings:
+    conv_kernel_size: int = 2
+    """dflash2: taps of the grouped dynamic convolutions (z-lab's published drafters: 2)."""
+    conv_group_size: int = 16
+    """dflash2: channels per dynamic kernel weight (must divide the target's hidden size)."""
+    selector_rank: int = 256
+    """dflash2: rank of the candidate selector's codebooks."""
+    selector_top_k: int = 16
+    """dflash2: candidates per drafted slot."""
 
 
 class GroupedDynamicConv(nn.Module):
@@ -71,7 +86,7 @@ class GroupedDynamicConv(nn.Module):
 
 
 class DFlash2DecoderLayer(DFlashDecoderLayer):
-    def __init__(self, cfg: DrafterConfig, layer_type: str):
+    def __init__(self, cfg: DrafterShape, layer_type: str):
         super().__init__(cfg, layer_type)
         self.attention_conv = GroupedDynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
         self.mlp_conv = GroupedDynamicConv(cfg.hidden_size, cfg.conv_kernel_size, cfg.conv_group_size)
@@ -90,7 +105,7 @@ class DFlash2DecoderLayer(DFlashDecoderLayer):
 class CandidateSelector(nn.Module):
     """W_h [r, H] and the codebooks P, S [V, r] (plain parameters: no `.weight` suffix, as exported)."""
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterShape):
         super().__init__()
         self.top_k = cfg.selector_top_k
         self.hidden_projection = nn.Linear(cfg.hidden_size, cfg.selector_rank, bias=False)
@@ -107,13 +122,13 @@ class CandidateSelector(nn.Module):
 class DFlash2Drafter(DFlashDrafter):
     """DFlash 2: DFlash 1's backbone with convolutions in every layer, and the candidate selector."""
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterShape):
         super().__init__(cfg)
         self.candidate_selector = CandidateSelector(cfg)
         self.candidates_per_row = cfg.selector_top_k
 
     @staticmethod
-    def make_layer(cfg: DrafterConfig, layer_type: str) -> nn.Module:
+    def make_layer(cfg: DrafterShape, layer_type: str) -> nn.Module:
         return DFlash2DecoderLayer(cfg, layer_type)
 
     def reset_parameters(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
@@ -127,7 +142,7 @@ class DFlash2Drafter(DFlashDrafter):
             sel.predecessor_codebook.copy_(torch.randn(sel.predecessor_codebook.shape, generator=generator) * std)
             sel.successor_codebook.zero_()
 
-    def extra_loss(self, rows, out, labels, prev, vocab_ids, weight: float, has_tv: bool):
+    def extra_loss(self, rows, out, labels, prev, vocab_ids, weight: float, has_tv: bool, terms=None):
         """The selector's k-way CE over the top-k plus the gold token (module doc), and the
         selector's greedy choice among the true top-k, both with the data's previous tokens."""
         acc = torch.promote_types(rows.dtype, torch.float32)
@@ -145,13 +160,14 @@ class DFlash2Drafter(DFlashDrafter):
         predicted = cand.gather(1, scores[:, :-1].argmax(-1, keepdim=True)).squeeze(1)
         return weight * ce, predicted
 
-    def greedy(self, rows, prev, logits_fn):
-        unary, cand = logits_fn(rows).topk(self.candidate_selector.top_k, dim=-1)
-        scores = self.candidate_selector.pair_scores(rows, prev, cand)
+    def greedy(self, rows, prev, logits_fn, embed=None):
+        flat, flat_prev = rows.reshape(-1, rows.shape[-1]), prev.reshape(-1)  # each row scores on its own
+        unary, cand = logits_fn(flat).topk(self.candidate_selector.top_k, dim=-1)
+        scores = self.candidate_selector.pair_scores(flat, flat_prev, cand)
         scores = scores + unary.to(scores.dtype)
-        return cand.gather(1, scores.argmax(-1, keepdim=True)).squeeze(1)
+        return cand.gather(1, scores.argmax(-1, keepdim=True)).squeeze(1).view(prev.shape)
 
-    def propose(self, rows, anchor: int, logits_fn, temperature: float, generator=None):
+    def propose(self, rows, anchor: int, logits_fn, temperature: float, generator=None, embed=None):
         """The selector's chain from the anchor (module doc); q: the k-way distribution each token
         was drawn from, scattered onto the vocabulary (zero outside the candidates)."""
         logits = logits_fn(rows)  # [D, V]
@@ -175,3 +191,30 @@ class DFlash2Drafter(DFlashDrafter):
 def _token_ids(index: torch.Tensor, vocab_ids: torch.Tensor | None) -> torch.Tensor:
     """lm_head row indices -> token ids (a training vocabulary's rows are a subset)."""
     return index if vocab_ids is None else vocab_ids[index]
+
+
+def _problems(s, hidden_size: int | None) -> list[str]:
+    out = must_be_positive(s, ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"))
+    if hidden_size and s.conv_group_size > 0 and hidden_size % s.conv_group_size:
+        out.append(f"conv_group_size {s.conv_group_size} does not divide hidden_size {hidden_size}")
+    return out
+
+
+def _parameters(cfg) -> int:
+    """Per layer two convolutions (base kernel [2, K, H], projection H -> 2 K H/G), and the selector
+    (W_h [r, H], codebooks P and S [V, r])."""
+    h, k = cfg.hidden_size, cfg.conv_kernel_size
+    conv = 2 * k * h + h * 2 * k * (h // cfg.conv_group_size)
+    return cfg.num_layers * 2 * conv + cfg.selector_rank * (h + 2 * cfg.vocab_size)
+
+
+HEAD = Head(
+    name="dflash2", module=DFlash2Drafter, settings=DFlash2Settings,
+    published_block=8,  # z-lab's Qwen3.8-27B DFlash 2
+    # vLLM raises a KeyError without the four keys in dflash_config; both engines serve it as DFlash
+    export=Export(("DFlash2DraftModel",), keys=tuple((name, name) for name in
+                                                     ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                      "selector_top_k"))),
+    engines=(Engine(VLLM, "dflash"), Engine(SGLANG, "DFLASH", extra_tokens=1)),
+    problems=_problems, parameters=_parameters, outside_muon=("codebook",), small=(("selector_rank", 16),),
+)

@@ -1,10 +1,11 @@
 """The DFlash drafter as pure math: no distributed code, no I/O, no target weights inside.
 
-`DFlashDrafter` is also the interface every architecture implements (model/architectures.py picks
-the class by `DrafterConfig.arch`; DFlash 2 and DSpark subclass it): which block slots draft
-(`drafted_offset`), a logit bias on the previous token (`logit_bias`), a term of its own in the loss
-(`extra_loss`), the greedy choice given the previous tokens (`greedy`) and the drafting walk
-(`propose`). The training loop, the sources and checkpoints never ask which architecture trains.
+`DFlashDrafter` is also the interface every head implements (model/architectures.py picks the class
+by `DrafterConfig.arch`; each other head subclasses it in its own file): which block slots draft
+(`drafted_offset`, `drafted`), a logit bias on the tokens drafted before (`logit_bias`), a term of its
+own in the loss (`extra_loss`), the greedy choice given the previous tokens (`greedy`) and the
+drafting walk (`propose`). The training loop, the sources and checkpoints never ask which head trains.
+This file is the plain DFlash head too: its declaration, `HEAD`, is at the end.
 
 Module tree and parameter names are those of z-lab `DFlashDraftModel` (spec 1.1), so a state dict
 saves and loads as the published checkpoint format: `layers.{i}.*`, `fc.weight`,
@@ -19,12 +20,16 @@ bypasses input_layernorm, the MLP and o_proj.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Callable
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from dflash_train.model.attention import SLIDING, attend, inference_mask
-from dflash_train.model.config import DrafterConfig
+from dflash_train.model.drafter_shape import DrafterShape
+from dflash_train.model.head import SGLANG, VLLM, Engine, Export, Head
 
 
 class RMSNorm(nn.Module):
@@ -59,7 +64,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class DFlashAttention(nn.Module):
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterShape):
         super().__init__()
         h, hd = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, hd
@@ -103,7 +108,7 @@ class SwiGLU(nn.Module):
 
 
 class DFlashDecoderLayer(nn.Module):
-    def __init__(self, cfg: DrafterConfig, layer_type: str):
+    def __init__(self, cfg: DrafterShape, layer_type: str):
         super().__init__()
         self.layer_type = layer_type
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -116,21 +121,38 @@ class DFlashDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+@dataclass(frozen=True)
+class LossTerms:
+    """What a head's own loss term (`extra_loss`) may read besides its rows' results."""
+
+    progress: float = 1.0
+    """Share of the training schedule done before this step, in [0, 1] (1 outside training)."""
+    unbiased: Callable[[], object] | None = None
+    """The rows' results without the head's logit bias (`softmax_rows.RowsOut`, its weighted `loss_sum`
+    with a gradient; one more lm_head pass)."""
+
+
 class DFlashDrafter(nn.Module):
     """Trainable parts of a DFlash drafter: layers, fc, hidden_norm, norm; and the plain DFlash head:
-    slots 1..B-1 draft, each the argmax of the target's lm_head (sampled independently at T > 0)."""
+    slots 1..B-1 draft, each the argmax of the target's lm_head (sampled independently at T > 0).
+
+    Rows and previous tokens reach the head methods in blocks: rows [M, D, H] and prev [M, D] (M blocks
+    of D drafted tokens, prev[:, 0] the anchor); a flat [T, H] / [T] is T blocks of one row each (a
+    head whose bias runs along the block needs the blocks). `embed(ids)` gives the target's input
+    embeddings of token ids, scaled as the block's are (for heads that read the drafted tokens)."""
 
     drafted_offset = 1
     """The first block slot that drafts a token: 1 (slot 0 holds the anchor, DFlash), 0 when the
-    anchor's slot drafts too (DSpark). Slot s drafts token anchor + s + 1 - drafted_offset."""
+    anchor's slot drafts too (DSpark, Domino). Drafted token i comes from slot drafted_offset + i and
+    is token anchor + i + 1."""
 
     candidates_per_row = 0
-    """Top-k of each row's logits the loss reports for the architecture's own term (DFlash 2's selector)."""
+    """Top-k of each row's logits the loss reports for the head's own term (DFlash 2's selector)."""
 
     backbone_prefixes = ("layers.", "fc")
-    """Modules the compiled forward runs (the rest, an architecture's head, runs in the eager loss)."""
+    """Modules the compiled forward runs (the rest, a head's own modules, runs in the eager loss)."""
 
-    def __init__(self, cfg: DrafterConfig):
+    def __init__(self, cfg: DrafterShape):
         super().__init__()
         self.config = cfg
         self.layers = nn.ModuleList(self.make_layer(cfg, t) for t in cfg.layer_types)
@@ -139,35 +161,42 @@ class DFlashDrafter(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     @staticmethod
-    def make_layer(cfg: DrafterConfig, layer_type: str) -> nn.Module:
+    def make_layer(cfg: DrafterShape, layer_type: str) -> nn.Module:
         return DFlashDecoderLayer(cfg, layer_type)
 
-    def drafted(self, block_size: int) -> int:
-        """Tokens one block drafts (D)."""
-        return block_size - self.drafted_offset
+    @classmethod
+    def drafted(cls, block_size: int) -> int:
+        """Tokens one block drafts (D): the slots from `drafted_offset` to the block's end."""
+        return block_size - cls.drafted_offset
 
     def drafted_rows(self, hidden: torch.Tensor, block_size: int) -> torch.Tensor:
         """The drafting slots' hidden states: [b, N*B, H] -> [b, N, D, H]."""
-        return drafted_rows(hidden, block_size, self.drafted_offset)
+        return drafted_rows(hidden, block_size, self.drafted_offset, self.drafted(block_size))
 
-    def logit_bias(self, prev: torch.Tensor | None, vocab_ids: torch.Tensor | None):
-        """A trainable low-rank logit bias on the previous tokens prev [T]: (inputs [T, r], weight [V', r]),
-        or None (DFlash). vocab_ids [V'] restrict the weight's rows to a training vocabulary."""
+    def logit_bias(self, prev: torch.Tensor, vocab_ids: torch.Tensor | None = None, rows: torch.Tensor | None = None,
+                   embed=None):
+        """A trainable low-rank logit bias e @ M.T for previous tokens prev [M, D] with their rows
+        [M, D, H] (or flat [T] / [T, H]; a head that reads no rows takes none): (e [M*D, r], M [V', r])
+        added to the raw logits before the target's scaling, or None (DFlash). vocab_ids [V'] restrict
+        M's rows to a training vocabulary."""
         return None
 
     def extra_loss(self, rows: torch.Tensor, out, labels: torch.Tensor, prev: torch.Tensor | None,
-                   vocab_ids: torch.Tensor | None, weight: float, has_tv: bool):
-        """The architecture's own per-row loss term [T] (weighted like the rows' loss) and its greedy
-        choice [T] when it differs from the argmax of the logits; (None, None) for DFlash. `out` is
-        `softmax_rows.RowsOut` of the rows; labels in the lm_head's row space (`vocab_ids`)."""
+                   vocab_ids: torch.Tensor | None, weight: float, has_tv: bool, terms: LossTerms | None = None):
+        """The head's own loss term, per row [T] (weighted like the rows' loss) or already summed over
+        the rows ([]), and its greedy choice [T] when it differs from the argmax of the logits; (None,
+        None) for DFlash. rows [T, H] and prev [T] flat; `out` is `softmax_rows.RowsOut` of the rows;
+        labels in the lm_head's row space (`vocab_ids`)."""
         return None, None
 
-    def greedy(self, rows: torch.Tensor, prev: torch.Tensor, logits_fn) -> torch.Tensor:
-        """The greedy draft [T] of rows [T, H] given each row's previous token prev [T] (teacher forced:
-        on a leading run of accepted drafts the previous token is the data's). logits_fn(rows) -> [T, V]."""
-        return logits_fn(rows).argmax(-1)
+    def greedy(self, rows: torch.Tensor, prev: torch.Tensor, logits_fn, embed=None) -> torch.Tensor:
+        """The greedy drafts [M, D] of rows [M, D, H] given the previous tokens prev [M, D] (teacher
+        forced: on a leading run of accepted drafts the previous tokens are the data's), or [T] of flat
+        rows [T, H]. logits_fn(rows [n, H], bias=None) -> [n, V]."""
+        return logits_fn(rows.reshape(-1, rows.shape[-1])).argmax(-1).view(rows.shape[:-1])
 
-    def propose(self, rows: torch.Tensor, anchor: int, logits_fn, temperature: float, generator=None):
+    def propose(self, rows: torch.Tensor, anchor: int, logits_fn, temperature: float, generator=None,
+                embed=None):
         """Draft one block from its drafting rows [D, H] after `anchor`: (tokens [D], q [D, V] the
         distribution each token was drawn from, None when greedy)."""
         logits = logits_fn(rows)  # [D, V]
@@ -237,10 +266,17 @@ class DFlashDrafter(nn.Module):
         return self.run_layers(block_embeds, cache.kv, block_positions, masks, backend, block_embeds.shape[1])
 
 
-def drafted_rows(hidden: torch.Tensor, block_size: int, offset: int = 1) -> torch.Tensor:
-    """[b, N*B, H] block outputs -> [b, N, B - offset, H], the slots from `offset` on."""
+def drafted_rows(hidden: torch.Tensor, block_size: int, offset: int = 1, count: int | None = None) -> torch.Tensor:
+    """[b, N*B, H] block outputs -> [b, N, D, H], the D = `count` slots from `offset` on (default: to
+    the block's end)."""
     b, q, h = hidden.shape
-    return hidden.view(b, q // block_size, block_size, h)[:, :, offset:]  # [b, N, D, H]
+    count = block_size - offset if count is None else count
+    return hidden.view(b, q // block_size, block_size, h)[:, :, offset:offset + count]  # [b, N, D, H]
+
+
+def as_blocks(rows: torch.Tensor, prev: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """rows [M, D, H] and prev [M, D] as they are; flat rows [T, H] and prev [T] as T blocks of one row."""
+    return (rows, prev) if prev.dim() == 2 else (rows.reshape(-1, 1, rows.shape[-1]), prev.reshape(-1, 1))
 
 
 class ContextCache:
@@ -267,3 +303,10 @@ class ContextCache:
             self.kv = [(torch.cat([k0, k1], dim=2), torch.cat([v0, v1], dim=2))
                        for (k0, v0), (k1, v1) in zip(self.kv, new)]
         self.length += n
+
+
+HEAD = Head(
+    name="dflash", module=DFlashDrafter, published_block=16,  # the paper's block
+    export=Export(("DFlashDraftModel",), speculators_type="dflash"),
+    engines=(Engine(VLLM, "dflash"), Engine(SGLANG, "DFLASH", extra_tokens=1)),
+)

@@ -6,9 +6,9 @@ Read from the engines' code, never copied (shared/docs/serving-engines.md: vLLM 
 00746147, models/qwen3_dspark.py 0302ff40, spec_decode/dspark/speculator.py 02957b5a,
 models/qwen3_dflash2.py 030da624, models/qwen3_dflash.py 036a00d1; SGLang models/dspark.py and
 speculative/dspark_components/dspark_config.py 01f47623, speculative/dflash_utils.py 00731f0b. `check_placement` walks these rows for the keys a drafter's
-architecture exports (`model/architectures.py`: its `dflash_keys` and `constants`, plus the mask
-token and the tapped layers every head has), so no rule asks which head it checks: a new head's keys
-are checked as soon as it lists them and the engines' rows for them exist here. Each failure names
+head exports (its file's `Export`: keys and constants, plus the mask token and the tapped layers every
+head has), so no rule asks which head it checks: a new head's keys are checked as soon as it lists
+them and the engines' rows for them exist here. Each failure names
 the engines that would refuse to load the drafter (`Failure.refused_by`); the others would load it
 and serve it wrong, which the message says.
 """
@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-VLLM, SGLANG = "vLLM", "SGLang"
+from dflash_train.model.head import SGLANG, VLLM
+
 ENGINES = {VLLM: "vLLM 0.34.0", SGLANG: "SGLang 0.5.23"}
 MISSING = object()
 
@@ -119,11 +120,12 @@ class Finding:
     refused_by: tuple[str, ...]
 
 
-def expected_keys(arch_spec, cfg) -> dict:
+def expected_keys(export, cfg) -> dict:
     """The values the drafter was trained with, for every key an engine reads: the mask token and
-    tapped layers of every head, then the architecture's own fields and constants."""
+    tapped layers of every head, then its head's own keys (from its settings) and constants
+    (`export`: the head's `model/head.py` Export)."""
     return {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
-            **{key: getattr(cfg, key) for key in arch_spec.dflash_keys}, **dict(arch_spec.constants)}
+            **{key: getattr(cfg, field) for key, field in export.keys}, **dict(export.constants)}
 
 
 def check_placement(d: dict, expected: dict) -> list[Finding]:

@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_train.atomic import atomic_dir
-from dflash_train.model.architectures import ARCHITECTURES, arch_of_architectures, build_drafter
+from dflash_train.model.architectures import HEADS, PLAIN, build_drafter, head, head_of_config
 from dflash_train.model.attention import FULL, SLIDING
 from dflash_train.model.config import DrafterConfig
 from dflash_train.model.drafter import DFlashDrafter
@@ -38,7 +38,8 @@ TRAINED_AGAINST = "trained_against"
 TRAINING_INPUT = "training_input"
 """dflash_config key recording how prompts were rendered in training (`conversations.chat_record`)."""
 """dflash_config key holding the identity of the target the drafter was trained against."""
-ARCH_KEYS = {key for spec in ARCHITECTURES.values() for key in spec.dflash_keys + tuple(k for k, _ in spec.constants)}
+ARCH_KEYS = {key for h in HEADS.values() for key in h.export.written()}
+"""Every key a registered head writes (model/architectures.py): its settings' keys and its constants."""
 SCALING_KEYS = set(FIELDS)
 """dflash_config keys of the target's embedding and logit scaling (model/scaling.py), written only where
 they are not the identity; read from dflash_config, else the top level, as z-lab's `dflash` reads them."""
@@ -62,15 +63,15 @@ def zlab_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16,
     `dflash_config.trained_against`, a key the engines do not read; without it, one carried in
     `cfg.extra` from a loaded checkpoint stays.
     """
-    arch = ARCHITECTURES[cfg.arch]
+    export = head(cfg.arch).export
     d = {
-        "architectures": list(arch.architectures),
+        "architectures": list(export.architectures),
         "model_type": "qwen3",
         "block_size": cfg.block_size,
         "num_target_layers": cfg.num_target_layers,
         "dflash_config": {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
                           "block_size": cfg.block_size, **_causal_keys(cfg, "causal"),
-                          **({} if arch.top_level else _arch_keys(cfg))},
+                          **({} if export.top_level else _arch_keys(cfg))},
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
         "num_hidden_layers": cfg.num_layers,
@@ -95,7 +96,7 @@ def zlab_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16,
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": cfg.eos_token_id,
     }
-    if arch.top_level:
+    if export.top_level:
         d.update({**_arch_keys(cfg), "mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids)})
     d["dflash_config"].update(cfg.scaling.non_identity())
     extra = dict(cfg.extra)
@@ -109,20 +110,28 @@ def zlab_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16,
 
 
 def _arch_keys(cfg: DrafterConfig) -> dict:
-    """The architecture's own keys (model/architectures.py): its DrafterConfig fields and constants."""
-    arch = ARCHITECTURES[cfg.arch]
-    return {**{key: getattr(cfg, key) for key in arch.dflash_keys}, **dict(arch.constants)}
+    """The head's own keys (its file's `HEAD.export`): its settings under their engine names, and constants."""
+    export = head(cfg.arch).export
+    return {**{key: getattr(cfg, name) for key, name in export.keys}, **dict(export.constants)}
 
 
 def _arch_fields(d: dict, dflash: dict, arch: str, source: str) -> dict:
-    """The architecture's DrafterConfig fields from `dflash_config` (or the top level); a constant
-    that says the checkpoint is another variant than this trainer's class is refused by name."""
-    spec = ARCHITECTURES[arch]
-    for key, want in spec.constants:
+    """The head's settings from `dflash_config` (or the top level); a constant that says the checkpoint
+    is another variant than this trainer's module is refused by name."""
+    export = head(arch).export
+    for key, want in export.constants:
         got = dflash.get(key, d.get(key))
         if got is not None and got != want:
             raise ValueError(f"{source}: {key}={got!r}, but this trainer's {arch} drafter is {key}={want!r}")
-    return {key: dflash.get(key, d.get(key)) for key in spec.dflash_keys if dflash.get(key, d.get(key)) is not None}
+    return {name: dflash.get(key, d.get(key)) for key, name in export.keys if dflash.get(key, d.get(key)) is not None}
+
+
+def read_head(d: dict, source: str = "config.json"):
+    """(the head a config.json describes, its settings as written there: an instance of its settings
+    dataclass, absent keys at their defaults; None for a head without settings)."""
+    h = head_of_config(d, source, absent=PLAIN)
+    fields = _arch_fields(d, d.get("dflash_config") or {}, h.name, source)
+    return h, (h.settings(**fields) if h.settings else None)
 
 
 def _causal_keys(cfg: DrafterConfig, key: str) -> dict:
@@ -158,7 +167,7 @@ def drafter_config_from_zlab(d: dict, source: str = "config.json") -> DrafterCon
         if mask_token_id is None:
             raise KeyError("dflash_config.mask_token_id")
         heads = d["num_attention_heads"]
-        arch = arch_of_architectures(d.get("architectures") or ["DFlashDraftModel"], source)
+        arch = head_of_config(d, source, absent=PLAIN).name
         arch_fields = _arch_fields(d, dflash, arch, source)
         return DrafterConfig(
             arch=arch, **arch_fields,
@@ -302,8 +311,9 @@ def load_zlab(model_dir: str | Path, device="cpu", dtype: torch.dtype | None = N
     missing = set(drafter.state_dict()) - set(tensors)
     unexpected = set(tensors) - set(drafter.state_dict()) - {"embed_tokens.weight", "lm_head.weight"}
     if missing or unexpected:
-        raise ValueError(f"{model_dir}: weights do not match the config: missing {sorted(missing)[:5]}, "
-                         f"unexpected {sorted(unexpected)[:5]}")
+        settings = ", ".join(f"{key}={getattr(cfg, name)!r}" for key, name in head(cfg.arch).export.keys)
+        raise ValueError(f"{model_dir}: weights do not match the config ({cfg.arch} drafter{': ' if settings else ''}"
+                         f"{settings}): missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
     state = {k: tensors[k].to(dtype) if dtype else tensors[k] for k in drafter.state_dict()}
     drafter.load_state_dict(state, assign=True)
     return drafter.to(device)
@@ -312,6 +322,10 @@ def load_zlab(model_dir: str | Path, device="cpu", dtype: torch.dtype | None = N
 def speculators_config_dict(cfg: DrafterConfig, verifier: str, verifier_arch: list[str]) -> dict:
     """speculators `DFlashSpeculator` config (spec 3.2): aux ids = z-lab ids + 1. Its DFlash (1) config has no
     field for a target's embedding or logit scaling: a drafter of such a target is refused, naming it."""
+    kind = head(cfg.arch).export.speculators_type
+    if kind is None:
+        raise ValueError(f"export.format=speculators: the speculators layout written here has no place for a "
+                         f"{cfg.arch} drafter; export it in the z-lab format (export.format=zlab)")
     scaled = cfg.scaling.non_identity()
     if scaled:
         raise ValueError(f"export.format=speculators: the DFlashSpeculator config has no field for "
@@ -320,7 +334,7 @@ def speculators_config_dict(cfg: DrafterConfig, verifier: str, verifier_arch: li
     layer_cfg = {k: v for k, v in zlab_config_dict(cfg).items()
                  if k not in ("architectures", "block_size", "num_target_layers", "dflash_config")}
     return {
-        "speculators_model_type": "dflash",
+        "speculators_model_type": kind,
         "architectures": ["DFlashSpeculator"],
         "transformer_layer_config": layer_cfg,
         "draft_vocab_size": cfg.vocab_size,
@@ -331,7 +345,7 @@ def speculators_config_dict(cfg: DrafterConfig, verifier: str, verifier_arch: li
         "sliding_window_non_causal": SLIDING in cfg.layer_types and not cfg.window_causal,
         "sample_from_anchor": False,
         "speculators_config": {
-            "algorithm": "dflash",
+            "algorithm": kind,
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1}],
             "default_proposal_method": "greedy",
             "verifier": {"name_or_path": verifier, "architectures": verifier_arch},

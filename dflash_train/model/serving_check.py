@@ -35,12 +35,14 @@ from pathlib import Path
 import torch
 
 from dflash_train.model import engine_view
-from dflash_train.model.architectures import ARCHITECTURES, arch_of_architectures, build_drafter
-from dflash_train.model.engine_rules import SGLANG, check_placement as engine_placement, expected_keys
+from dflash_train.model.architectures import build_drafter, head, head_of_config
+from dflash_train.model.engine_rules import READS, check_placement as engine_placement, expected_keys
 from dflash_train.model.attention import MaskSpec, build_training_masks
 from dflash_train.model.config import DrafterConfig, last_layer_tap_problem, rope_theta_of
 from dflash_train.model.drafter import DFlashDrafter
-from dflash_train.model.hf_format import TRAINED_AGAINST, TRAINING_INPUT, drafter_config_from_zlab, load_zlab
+from dflash_train.model.head import SGLANG, VLLM, Engine
+from dflash_train.model.hf_format import (TRAINED_AGAINST, TRAINING_INPUT, drafter_config_from_zlab, load_zlab,
+                                          read_head)
 from dflash_train.model.scaling import Scaling, scale_embeddings, scale_logits, scaling_problems, target_scaling
 from dflash_train.model.target_identity import TargetInfo, safetensors_shapes, serve_note
 
@@ -99,7 +101,7 @@ def check_drafter(drafter_dir: str | Path, target: TargetInfo | None = None,
         cfg = drafter_config_from_zlab(d, str(drafter_dir / "config.json"))
     except (ValueError, TypeError) as e:
         return failures + [Failure("config", f"the trainer cannot read it: {e}")] + identity
-    failures += check_engine_view(drafter_dir, d, cfg)
+    failures += check_engines(cfg) + check_engine_view(drafter_dir, d, cfg)
     failures += check_placement(d, trained.config if trained is not None else cfg)
     if trained is not None:
         failures += check_training(cfg, trained.config)
@@ -114,7 +116,7 @@ def check_config(d: dict, shapes: dict, target: TargetInfo | None) -> list[Failu
     """The config keys the engines act on, as they read them."""
     out = []
     try:
-        arch_of_architectures(d.get("architectures"))
+        head_of_config(d)
     except ValueError as e:
         out.append(Failure("architectures", f"{e}: vLLM and SGLang pick their drafter class by this name"))
     if d.get("model_type") != "qwen3":
@@ -132,6 +134,17 @@ def check_config(d: dict, shapes: dict, target: TargetInfo | None) -> list[Failu
         out.append(Failure("hidden_size", f"{d.get('hidden_size')} but the target {target.name} has "
                                           f"{target.hidden_size}: vLLM silently falls back, SGLang raises", (SGLANG,)))
     return out
+
+
+def check_engines(cfg: DrafterConfig) -> list[Failure]:
+    """A drafter no engine serves (its head's `Engine`s, with the refusals of its settings) is for training
+    and our eval only: exporting or checking it for serving fails, naming each engine's reason."""
+    served = head(cfg.arch).served(cfg)
+    if any(not e.refused for e in served):
+        return []
+    why = "; ".join(f"{e.name}: {e.refused}" for e in served)
+    return [Failure("architectures", f"no engine serves this {cfg.arch} drafter ({why}): it trains and evaluates "
+                                     "here only", tuple(e.name for e in served))]
 
 
 def _check_vocab_and_mask(d: dict, dflash: dict, target: TargetInfo | None) -> list[Failure]:
@@ -250,20 +263,36 @@ ENGINE_SCALING_SUPPORT = {
 
 
 def engine_notes(drafter_dir: str | Path) -> list[str]:
-    """For each scaling field the drafter sets (not the identity), how the engines treat it: what to
-    check before serving it there (each line names the field and the engines)."""
+    """An engine that does not serve the drafter's head (and why), and for each scaling field the drafter
+    sets (not the identity) how the engines treat it: what to check before serving it there."""
     d = json.loads((Path(drafter_dir) / "config.json").read_text())
+    h, settings = read_head(d, str(Path(drafter_dir) / "config.json"))
+    refused = [f"{e.name} does not serve this {h.name} drafter: {e.refused}" for e in h.served(settings) if e.refused]
     values = _drafter_scaling(d, d.get("dflash_config") or {})
     set_fields = {k: v for k, v in values.items() if not _same(v, Scaling().as_dict()[k])}
-    return [f"dflash_config.{name}={value}: z-lab's dflash applies it; {ENGINE_SCALING_SUPPORT[name]}"
-            for name, value in set_fields.items()]
+    return refused + [f"dflash_config.{name}={value}: z-lab's dflash applies it; {ENGINE_SCALING_SUPPORT[name]}"
+                      for name, value in set_fields.items()]
 
 
 def check_placement(d: dict, cfg: DrafterConfig) -> list[Failure]:
-    """Each key of the drafter's architecture where vLLM and SGLang read it, with the value it was trained
-    with (model/engine_rules.py: one rule per engine and key, each citing the engine code it mirrors)."""
-    spec = ARCHITECTURES[cfg.arch]
-    return [Failure(f.field, f.message, f.refused_by) for f in engine_placement(d, expected_keys(spec, cfg))]
+    """Each key of the drafter's head where vLLM and SGLang read it, with the value it was trained with
+    (model/engine_rules.py: one rule per engine and key, each citing the engine code it mirrors). A key
+    the head writes that no engine rule covers (a head only one engine's loader reads, such as Domino's)
+    must be where the head's `Export` puts it, with the value it was trained with."""
+    export = head(cfg.arch).export
+    expected = expected_keys(export, cfg)
+    out = [Failure(f.field, f.message, f.refused_by) for f in engine_placement(d, expected)]
+    ruled = {rule.key for rule in READS}
+    where, prefix = (d, "") if export.top_level else (d.get("dflash_config") or {}, "dflash_config.")
+    for key in export.written():
+        if key in ruled:
+            continue
+        if key not in where:
+            out.append(Failure(prefix + key, "missing: the engines that serve this head read it there"))
+        elif where[key] != expected[key]:
+            out.append(Failure(prefix + key, f"{where[key]!r} but the drafter was trained with {expected[key]!r}: "
+                                             "the engines would build another head"))
+    return out
 
 
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
@@ -463,18 +492,30 @@ def _requests_note(record) -> str:
 
 
 def serve_instructions(drafter_dir: str | Path) -> str:
-    """Serve commands for an exported drafter, naming the target it was trained against, the engines'
-    method for its architecture and the drafted tokens per step (vLLM never reads block_size)."""
+    """Serve commands for an exported drafter, naming the target it was trained against, each engine's
+    method for its head (or why that engine does not serve it) and the drafted tokens per step (vLLM
+    never reads block_size)."""
     d = json.loads((Path(drafter_dir) / "config.json").read_text())
     dflash = d.get("dflash_config") or {}
-    block_size = dflash.get("block_size", d.get("block_size"))
-    arch = ARCHITECTURES[arch_of_architectures(d.get("architectures") or ["DFlashDraftModel"])]
-    drafted = arch.drafted(block_size)
+    h, settings = read_head(d, str(Path(drafter_dir) / "config.json"))
+    drafted = h.module.drafted(dflash.get("block_size", d.get("block_size")))
     rec = dflash.get(TRAINED_AGAINST)
     target = rec["serve"] if isinstance(rec, dict) and rec.get("serve") else "TARGET"
-    spec = json.dumps({"method": arch.vllm_method, "model": str(drafter_dir), "num_speculative_tokens": drafted})
+    lines = [_serve_line(e, target, drafter_dir, drafted) for e in h.served(settings)]
     return (f"serve it with (target: {serve_note(rec)}):\n{_requests_note(dflash.get(TRAINING_INPUT))}"
-            f"  vLLM:   vllm serve {target} --speculative-config '{spec}' --attention-backend flash_attn\n"
-            f"  SGLang: python -m sglang.launch_server --model-path {target} --speculative-algorithm "
-            f"{arch.sglang_algorithm} --speculative-draft-model-path {drafter_dir} --speculative-num-draft-tokens "
-            f"{drafted + 1}")
+            + "\n".join(lines))
+
+
+def _serve_line(engine: Engine, target: str, drafter_dir, drafted: int) -> str:
+    if engine.refused:
+        return f"  {engine.name + ':':<7} not served: {engine.refused}"
+    tokens = drafted + engine.extra_tokens
+    flags = f" {engine.flags}" if engine.flags else ""
+    if engine.name == VLLM:
+        spec = json.dumps({"method": engine.method, "model": str(drafter_dir), "num_speculative_tokens": tokens})
+        return f"  vLLM:   vllm serve {target} --speculative-config '{spec}' --attention-backend flash_attn{flags}"
+    if engine.name == SGLANG:
+        return (f"  SGLang: python -m sglang.launch_server --model-path {target} --speculative-algorithm "
+                f"{engine.method} --speculative-draft-model-path {drafter_dir} --speculative-num-draft-tokens "
+                f"{tokens}{flags}")
+    raise ValueError(f"engine {engine.name!r}: no serve command known")

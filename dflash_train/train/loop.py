@@ -348,7 +348,8 @@ def _one_step(p: Process, s: Setup, t: Training, timer: ComputeTimer):
     if timed:
         timer.start()
     stats, grad_norm, flags = train_step(t.model, t.states["optimizer"], t.states["scheduler"], mbs, t.ctx,
-                                         p.cfg.optim.grad_clip, apply=not p.faults.skips(progress.step + 1))
+                                         p.cfg.optim.grad_clip, apply=not p.faults.skips(progress.step + 1),
+                                         progress=progress.step / max(1, _end(s, t.budget)))
     if timed:
         timer.stop(sum(mb.input_ids.shape[0] for mb in mbs))
     progress.step += 1

@@ -5,7 +5,7 @@ slot 0 being the anchor; a head that samples from the anchor (DSpark) drafts D =
 slot: `Drafter.drafted`). For drafted token i (0-based) with per-row loss l[j,i]
 (`softmax_rows.LossMix`: data-token CE, teacher-argmax CE, KL at T, TV) the objective is
     loss = sum_{j,i} w[j,i] * valid[j,i] * (l[j,i] + e[j,i]) / sum_{j,i} w[j,i] * valid[j,i]
-with e the head's own term (DFlash 2's selector CE, DSpark's confidence BCE; 0 for DFlash) and
+with e the head's own term (`extra_loss`: DFlash 2's selector CE, DSpark's confidence BCE; 0 for DFlash) and
 position weights w (`loss.weighting`):
 - decay (the paper's eq. 4): w_i = exp(-i / gamma);
 - dpace (D-PACE, arXiv 2605.18810): per block, from the drafter's probability q_i of the data
@@ -39,6 +39,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from dflash_train.model.drafter import LossTerms
 from dflash_train.train.row_weights import (WEIGHTINGS, RowWeights, dpace_weights,  # noqa: F401 - re-exported
                                             position_weights, slot_weights)
 from dflash_train.train.softmax_rows import CE, LossMix, RowsSpec, linear_softmax_loss  # noqa: F401 - re-exported
@@ -121,26 +122,36 @@ def rows_spec(objective: Objective, drafted: int) -> RowsSpec:
 
 def block_loss(rows: torch.Tensor, lm_head_weight: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor,
                objective: Objective = Objective(), teacher: torch.Tensor | None = None,
-               prev: torch.Tensor | None = None, head=None, fp8=None, vocab_ids: torch.Tensor | None = None
-               ) -> LossStats:
+               prev: torch.Tensor | None = None, head=None, fp8=None, vocab_ids: torch.Tensor | None = None,
+               embed=None, progress: float = 1.0) -> LossStats:
     """Loss sums for drafted tokens' hidden states rows [b, N, D, H] against data labels / valid [b, N, D].
 
     teacher [b, N, D, H] (`teacher_hidden_at`) feeds the mix's teacher terms; prev [b, N, D] are the
     tokens before each label (the data's: teacher forcing) for a head that conditions on them;
     `head` (the drafter, `model.drafter.DFlashDrafter` or a subclass) adds its logit bias and own
-    term; vocab_ids [V'] map the rows of a training-vocabulary lm_head back to token ids."""
+    term; vocab_ids [V'] map the rows of a training-vocabulary lm_head back to token ids; `embed(ids)`
+    the target's input embeddings (for a head that reads the previous tokens' embeddings); `progress`
+    the share of training done (for a head whose own term follows the schedule)."""
     b, n, d = labels.shape
     hdim = rows.shape[-1]
     flat = rows.reshape(-1, hdim)  # [b*N*D, H]
     flat_prev = None if prev is None else prev.reshape(-1)
-    bias = head.logit_bias(flat_prev, vocab_ids) if head is not None else None
-    out = linear_softmax_loss(flat, lm_head_weight, labels.reshape(-1),
-                              None if teacher is None else teacher.reshape(-1, hdim), objective.chunk_tokens,
-                              objective.compiled, rows_spec(objective, d), fp8, bias, valid.reshape(-1))
+    flat_teacher = None if teacher is None else teacher.reshape(-1, hdim)
+    blocks_prev = None if prev is None else prev.reshape(b * n, d)
+    bias = head.logit_bias(blocks_prev, vocab_ids, rows.reshape(b * n, d, hdim), embed) if head is not None else None
+
+    def rows_loss(with_bias):
+        return linear_softmax_loss(flat, lm_head_weight, labels.reshape(-1), flat_teacher, objective.chunk_tokens,
+                                   objective.compiled, rows_spec(objective, d), fp8, with_bias, valid.reshape(-1))
+
+    out = rows_loss(bias)
     losses, w = out.losses.view(b, n, d), out.weights.view(b, n, d)
+    terms = LossTerms(progress, unbiased=lambda: rows_loss(None))
     extra, predicted = (head.extra_loss(flat, out, labels.reshape(-1), flat_prev, vocab_ids, objective.head_weight,
-                                        objective.mix.tv > 0) if head is not None else (None, None))
-    loss_sum = out.loss_sum if extra is None else out.loss_sum + (w * extra.view(b, n, d).to(w.dtype)).sum()
+                                        objective.mix.tv > 0, terms) if head is not None else (None, None))
+    loss_sum = out.loss_sum
+    if extra is not None:  # per row [T], weighted like the rows' loss; or a sum over the rows already ([])
+        loss_sum = loss_sum + (extra if extra.dim() == 0 else (w * extra.view(b, n, d).to(w.dtype)).sum())
     predicted = (out.argmax if predicted is None else predicted).view(b, n, d)
     okf = valid.to(losses.dtype)
     correct = (predicted == labels) & valid  # against the data token: greedy acceptance

@@ -2,9 +2,10 @@
 
 The split (`muon_split`, speculators' rule, `../shared/docs/dflash2-and-2026-recipe.md` section 4):
 Muon takes every trainable 2-D parameter with min(dim) > 1 whose name contains none of
-`MUON_EXCLUDED` (the decoder's projections, `fc`, DFlash 2's `kernel_projection` and
-`hidden_projection`); AdamW takes norms, biases, other shapes (a 3-D `base_kernel`), codebooks,
-Markov tables and anything named after the target's embedding or lm_head.
+`MUON_EXCLUDED` nor a word a drafter head keeps out (`Head.outside_muon`: DFlash 2's codebooks,
+DSpark's Markov head; the decoder's projections, `fc`, DFlash 2's `kernel_projection` and
+`hidden_projection` go to Muon); AdamW takes norms, biases, other shapes (a 3-D `base_kernel`), the
+heads' tables and anything named after the target's embedding or lm_head.
 
 The update is torch.optim.Muon's (momentum 0.95 Nesterov, Newton-Schulz with torch's coefficients:
 in bf16 with `optim.muon_iteration=newton_schulz`, the default `gram` runs the same polynomial in
@@ -51,7 +52,9 @@ import re
 import torch
 import torch.distributed as dist
 
-MUON_EXCLUDED = ("embed_tokens", "lm_head", "codebook", "markov")
+from dflash_train.model.architectures import outside_muon
+
+MUON_EXCLUDED = ("embed_tokens", "lm_head")  # the target's tables, should they ever be trained
 TORCH_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's quintic)
 POLAR_EXPRESS = (  # per iteration (a, b, c); arXiv 2505.16932, modded-nanogpt's 5-step schedule
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
@@ -67,11 +70,12 @@ EPS = 1e-7  # torch.optim.Muon's
 
 def muon_split(named_params) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, torch.Tensor]]]:
     """(Muon's, AdamW's) trainable (name, parameter) pairs, in module order (rule: module doc)."""
+    excluded = MUON_EXCLUDED + outside_muon()  # what each registered head keeps out of Muon
     muon, adamw = [], []
     for name, p in named_params:
         if not p.requires_grad:
             continue
-        hidden_matrix = p.ndim == 2 and min(p.shape) > 1 and not any(word in name for word in MUON_EXCLUDED)
+        hidden_matrix = p.ndim == 2 and min(p.shape) > 1 and not any(word in name for word in excluded)
         (muon if hidden_matrix else adamw).append((name, p))
     return muon, adamw
 

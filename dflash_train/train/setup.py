@@ -6,7 +6,6 @@ with no hidden state.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -23,7 +22,7 @@ from dflash_train.data.shards import ShardReader
 from dflash_train.data.text import has_chat_template, resolve_data_format
 from dflash_train.eval.prompt_sets import check_prompt_sets
 from dflash_train.model.config import DrafterConfig, drafter_config_from_target
-from dflash_train.model.architectures import build_drafter
+from dflash_train.model.architectures import build_drafter, head_settings
 from dflash_train.model.drafter import DFlashDrafter
 from dflash_train.model.target import norm_factor, resolve_mask_token_id
 from dflash_train.model.target_subset import TargetSubset
@@ -102,10 +101,8 @@ def build_drafter_config(cfg: RunConfig, target) -> DrafterConfig:
                                       target_layer_ids=cfg.target.layer_ids, num_taps=cfg.drafter.num_taps,
                                       sliding_window=cfg.drafter.sliding_window,
                                       window_layers=cfg.drafter.window_layers, window_causal=cfg.drafter.window_causal,
-                                      vocab_size=target.vocab_size, arch=cfg.drafter.arch)
-    dcfg = dataclasses.replace(dcfg, conv_kernel_size=cfg.drafter.conv_kernel_size,
-                               conv_group_size=cfg.drafter.conv_group_size, selector_rank=cfg.drafter.selector_rank,
-                               selector_top_k=cfg.drafter.selector_top_k, markov_rank=cfg.drafter.markov_rank)
+                                      vocab_size=target.vocab_size, arch=cfg.drafter.arch,
+                                      head_settings=head_settings(cfg.drafter))
     dcfg.check_target(target.hidden_size, target.num_layers, target.vocab_size)
     problems = target.scaling_problems(dcfg.scaling)  # the derived scaling, against the target's own forward
     if problems:

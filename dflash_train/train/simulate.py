@@ -14,6 +14,7 @@ Two measures, both greedy, both from one drafter forward over a known text with 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -23,7 +24,7 @@ from dflash_train.eval.spec_decode import DraftHead
 from dflash_train.train import setup
 from dflash_train.train.batching import to_device
 from dflash_train.train.loss import summarize
-from dflash_train.train.step import StepContext, autocast, drafter_hidden, forward_stats
+from dflash_train.train.step import StepContext, autocast, drafter_hidden, embed_tokens, forward_stats
 from dflash_train.train.taps import target_tensors, taps_spec
 
 ARGMAX_ROWS = 1024  # drafter rows scored against the full vocabulary at a time
@@ -52,7 +53,7 @@ def anchor_acceptance(drafter, batch: dict, ctx: StepContext,
                       head: DraftHead | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per anchor of a batch on the device: (draft tokens accepted greedily [b, N], whether the anchor
     has a supervised token after it [b, N]); accepted = leading drafted tokens whose greedy choice
-    (the architecture's, `greedy`, given the data's previous tokens: on a leading run of accepted
+    (the head's, `greedy`, given the data's previous tokens: on a leading run of accepted
     drafts those are the drafted ones) equals the label, over the full vocabulary or, as the decode
     loop drafts, over `head`'s draft vocabulary."""
     with autocast(ctx):
@@ -60,10 +61,12 @@ def anchor_acceptance(drafter, batch: dict, ctx: StepContext,
     labels, valid, prev = drafted_targets(batch["input_ids"], batch["loss_mask"], batch["anchors"], batch["keep"],
                                           drafter.drafted(ctx.block_size))
     b, n, drafted = labels.shape
-    rows = drafter.drafted_rows(hidden, ctx.block_size).reshape(b * n * drafted, -1)  # [b*N*D, H]
+    rows = drafter.drafted_rows(hidden, ctx.block_size).reshape(b * n, drafted, -1)  # [b*N, D, H]
     head = head or DraftHead.of(ctx.lm_head_weight, scaling=ctx.drafter.scaling)
-    pred = torch.cat([drafter.greedy(r, p, head).to(labels.device)
-                      for r, p in zip(rows.split(ARGMAX_ROWS), prev.reshape(-1).split(ARGMAX_ROWS))])
+    blocks = max(1, ARGMAX_ROWS // drafted)  # whole blocks at a time: a head's bias may run along its block
+    embed = functools.partial(embed_tokens, ctx)
+    pred = torch.cat([drafter.greedy(r, p, head, embed).to(labels.device)
+                      for r, p in zip(rows.split(blocks), prev.reshape(b * n, drafted).split(blocks))])
     correct = (pred.view(b, n, drafted) == labels) & valid  # [b, N, D]
     accepted = correct.int().cumprod(-1).sum(-1)  # [b, N]
     return accepted, valid[:, :, 0]

@@ -54,7 +54,7 @@ class StepContext:
     persistent_masks: PersistentMasks | None = None  # CUDA graphs (bench): masks kept at fixed addresses
     loss: LossMix = CE  # loss.kind as coefficients; teacher terms read batch["final_hidden"]
     loss_head_fp8: object = None  # fp8.Float8Head of the lm_head the loss uses (train.fp8_lm_head), or None
-    head: object = None  # the (unwrapped) drafter: its architecture's drafted slots, logit bias and own loss term
+    head: object = None  # the (unwrapped) drafter: its head's drafted slots, logit bias and own loss term
     weighting: str = "decay"  # loss.weighting
     dpace_alpha: float = 0.5
     head_weight: float = 1.0  # loss.head_weight
@@ -65,7 +65,7 @@ class StepContext:
 
     @property
     def drafted(self) -> int:
-        """Tokens a block drafts (the architecture's; B - 1 for DFlash)."""
+        """Tokens a block drafts (the head's; B - 1 for DFlash)."""
         return self.head.drafted(self.block_size) if self.head is not None else self.block_size - 1
 
     @functools.cached_property
@@ -77,14 +77,19 @@ class StepContext:
                          self.head_weight)
 
 
+def embed_tokens(ctx: StepContext, ids: torch.Tensor) -> torch.Tensor:
+    """The target's input embeddings of token ids [...] -> [..., H], scaled as the target scales them."""
+    return scale_embeddings(F.embedding(ids, ctx.embed_weight), ctx.drafter.input_embedding_scale)
+
+
 def drafter_hidden(model, batch: dict, ctx: StepContext) -> torch.Tensor:
     """The drafter's output hidden [b, N*B, H] for one micro-batch already on the device (call inside
     `autocast(ctx)`)."""
     input_ids, anchors, keep, taps = batch["input_ids"], batch["anchors"], batch["keep"], batch["taps"]
     seq_len, num_anchors = input_ids.shape[1], anchors.shape[1]
     dcfg = ctx.drafter
-    block_embeds = scale_embeddings(F.embedding(block_inputs(input_ids, anchors, dcfg.block_size, dcfg.mask_token_id),
-                                                ctx.embed_weight), dcfg.input_embedding_scale)  # [b, N*B, H]
+    ids = block_inputs(input_ids, anchors, dcfg.block_size, dcfg.mask_token_id)  # [b, N*B]
+    block_embeds = embed_tokens(ctx, ids)  # [b, N*B, H]
     spec = MaskSpec(seq_len, dcfg.block_size, num_anchors, dcfg.sliding_window, dcfg.window_causal)
     masks = build_training_masks(spec, dcfg.layer_types, anchors, keep, ctx.backend,
                                  persistent=ctx.persistent_masks)
@@ -102,8 +107,9 @@ def autocast(ctx: StepContext):
             else contextlib.nullcontext())
 
 
-def forward_stats(model, batch: dict, ctx: StepContext) -> LossStats:
-    """Drafter forward + loss sums for one micro-batch already on the device."""
+def forward_stats(model, batch: dict, ctx: StepContext, progress: float = 1.0) -> LossStats:
+    """Drafter forward + loss sums for one micro-batch already on the device; `progress` is the share of
+    the training schedule done before this step (a head's own loss term may follow it; 1: none left)."""
     with autocast(ctx):
         hidden = drafter_hidden(model, batch, ctx)
         labels, valid, prev = batch_targets(batch, ctx)
@@ -116,7 +122,7 @@ def forward_stats(model, batch: dict, ctx: StepContext) -> LossStats:
         teacher = teacher_hidden_at(batch["final_hidden"], batch["anchors"], ctx.drafted) \
             if ctx.loss.needs_teacher else None  # [b, N, D, H]
         return block_loss(rows, lm_head, labels, valid, ctx.objective, teacher, prev, ctx.head, ctx.loss_head_fp8,
-                          vocab_ids)
+                          vocab_ids, functools.partial(embed_tokens, ctx), progress)
 
 
 def global_weight_sum(weight_sum: torch.Tensor, losses: torch.Tensor, ctx: StepContext
@@ -133,9 +139,10 @@ def global_weight_sum(weight_sum: torch.Tensor, losses: torch.Tensor, ctx: StepC
 
 
 def train_step(model, optimizer, scheduler, mbs: list[MicroBatch], ctx: StepContext, grad_clip: float,
-               apply: bool = True) -> tuple[LossStats, torch.Tensor, torch.Tensor]:
+               apply: bool = True, progress: float = 1.0) -> tuple[LossStats, torch.Tensor, torch.Tensor]:
     """Forward/backward over the micro-batches (gradient accumulation), normalise, clip, optimizer
     step, guarded: a step whose loss or gradient norm is not finite is not applied (`step_unless`).
+    `progress`: the share of the schedule done before this step (`forward_stats`).
 
     Returns the summed LossStats of this rank, the pre-clip norm of the normalised gradient and
     the step's `health_flags` (device tensors; nothing here waits for the device). `apply=False`
@@ -149,7 +156,7 @@ def train_step(model, optimizer, scheduler, mbs: list[MicroBatch], ctx: StepCont
         last = i == len(mbs) - 1
         sync = model.no_sync() if ddp and not last else contextlib.nullcontext()
         with sync:
-            stats = forward_stats(model, to_device(mb, ctx.device), ctx)
+            stats = forward_stats(model, to_device(mb, ctx.device), ctx, progress)
             # DDP averages the ranks' gradients: x D makes it their sum
             (stats.loss_sum * ctx.num_drafters if ddp else stats.loss_sum).backward()
         if grads32 is not None:

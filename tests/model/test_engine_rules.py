@@ -10,7 +10,7 @@ import dataclasses
 import pytest
 from transformers import Qwen3Config
 
-from dflash_train.model.architectures import ARCHITECTURES
+from dflash_train.model.architectures import HEADS, head
 from dflash_train.model.config import drafter_config_from_target
 from dflash_train.model.engine_rules import MISSING, READS, REFUSALS, expected_keys
 from dflash_train.model.hf_format import zlab_config_dict
@@ -27,8 +27,8 @@ def _exported(arch: str):
 
 
 def _head_with(key: str) -> str:
-    """The first architecture whose export carries `key` (every head carries the mask and the taps)."""
-    return next(arch for arch, spec in ARCHITECTURES.items() if key in expected_keys(spec, _exported(arch)[0]))
+    """The first head whose export carries `key` (every head carries the mask and the taps)."""
+    return next(name for name, h in HEADS.items() if key in expected_keys(h.export, _exported(name)[0]))
 
 
 def _delete(d: dict, path: str) -> None:
@@ -52,7 +52,7 @@ def _other(value):
 
 
 def test_every_head_exports_where_both_engines_read():
-    for arch in ARCHITECTURES:
+    for arch in HEADS:
         cfg, d = _exported(arch)
         assert check_placement(d, cfg) == [], arch
 
@@ -61,7 +61,7 @@ def test_every_head_exports_where_both_engines_read():
 def test_a_key_missing_where_the_engine_reads_it(rule):
     assert rule.mirrors.startswith(("vllm/", "python/sglang/"))  # the engine file it mirrors
     cfg, d = _exported(_head_with(rule.key))
-    want = expected_keys(ARCHITECTURES[cfg.arch], cfg)[rule.key]
+    want = expected_keys(head(cfg.arch).export, cfg)[rule.key]
     for place in rule.places:
         _delete(d, place.path)
     found = {f.field: f for f in check_placement(d, cfg)}
@@ -77,7 +77,7 @@ def test_a_key_missing_where_the_engine_reads_it(rule):
 @pytest.mark.parametrize("rule", READS, ids=lambda r: f"{r.engine}-{r.key}-{r.mirrors.split()[0]}")
 def test_a_wrong_value_where_the_engine_reads_first(rule):
     cfg, d = _exported(_head_with(rule.key))
-    want = expected_keys(ARCHITECTURES[cfg.arch], cfg)[rule.key]
+    want = expected_keys(head(cfg.arch).export, cfg)[rule.key]
     first = rule.places[0]
     _put(d, first.path, [v + first.plus for v in _other(want)] if isinstance(want, list) else _other(want))
     found = {f.field: f for f in check_placement(d, cfg)}
@@ -87,7 +87,7 @@ def test_a_wrong_value_where_the_engine_reads_first(rule):
 @pytest.mark.parametrize("rule", REFUSALS, ids=lambda r: f"{r.engine}-{r.place.path}-{r.mirrors.split()[0]}")
 def test_a_key_the_engine_refuses(rule):
     assert rule.mirrors.startswith(("vllm/", "python/sglang/"))
-    for arch in ARCHITECTURES:  # whatever the head
+    for arch in HEADS:  # whatever the head
         cfg, d = _exported(arch)
         d = copy.deepcopy(d)
         _put(d, rule.place.path, True)

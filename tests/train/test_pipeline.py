@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from dflash_train.model.architectures import HEADS
+
 pytestmark = pytest.mark.slow
 
 STEPS = 6
@@ -209,12 +211,17 @@ def test_padded_micro_batches_match_one_sequence_at_a_time(colocated, tiny_targe
         assert got[step] == pytest.approx(loss, rel=1e-4, abs=1e-6), step
 
 
-@pytest.mark.parametrize("arch", ["dflash2", "dspark"])
-def test_every_architecture_trains_alike_on_two_ranks_and_resumes_exactly(tiny_target_dir, tmp_path, arch):
-    """DFlash 2 and DSpark through the same job as DFlash: two drafter ranks (gloo) give the one-process
+HEAD_RUNS = [(name, HEADS[name].small) for name in HEADS if name != "dflash"] + [
+    ("dspark", HEADS["dspark"].small + (("markov_head_type", "rnn"),))]
+"""Every registered head but DFlash (the tests above), at its small size; and DSpark's rnn form."""
+
+
+@pytest.mark.parametrize("arch,settings", HEAD_RUNS, ids=[f"{a}-{len(s)}" for a, s in HEAD_RUNS])
+def test_every_architecture_trains_alike_on_two_ranks_and_resumes_exactly(tiny_target_dir, tmp_path, arch, settings):
+    """Every head through the same job as DFlash: two drafter ranks (gloo) give the one-process
     losses, and a run failed after a checkpoint resumes onto the same trajectory (their extra
     parameters are in the weights, the optimizer and the gradient sums like every other)."""
-    extra = (f"drafter.arch={arch}", "drafter.block_size=4", "drafter.selector_rank=16", "drafter.markov_rank=16",
+    extra = (f"drafter.arch={arch}", "drafter.block_size=4", *(f"drafter.{k}={v}" for k, v in settings),
              "train.ckpt_every=2")
     one = tmp_path / "one"
     proc = run(1, tiny_target_dir, one, *extra)
