@@ -69,6 +69,16 @@ def drafter_fields(dcfg) -> dict:
     return json.loads(json.dumps(fields, default=str))
 
 
+def _field_defaults(cls) -> dict:
+    return json.loads(json.dumps({f.name: f.default for f in dataclasses.fields(cls)
+                                  if f.compare and f.default is not dataclasses.MISSING}, default=str))
+
+
+UNRECORDED = {"drafter": _field_defaults(DrafterConfig)}
+"""Per part, what a field a checkpoint predates is compared as: its default (a drafter setting added
+since, a new head's, is then no change while it keeps its default)."""
+
+
 def layout_of(cfg: RunConfig, topo) -> dict:
     return {"drafter_ranks": topo.num_drafters, "mode": topo.mode, "target_ranks": topo.num_target_ranks,
             "micro_batch": cfg.train.micro_batch}
@@ -84,7 +94,7 @@ def fingerprints(cfg: RunConfig, target, dcfg, train_samples: list, layout: dict
                    "weights_fingerprint": info.weights_fingerprint},
         "tokenizer": {"sha256": tokenizer_fingerprint(target.tokenizer),
                       **{name: _digest(part) for name, part in tokenizer.items()}},
-        "drafter": {"sha256": _digest(dataclasses.asdict(dcfg)), **drafter_fields(dcfg)},
+        "drafter": drafter_fields(dcfg),  # every field named: no digest, so a field added later can default
         "order": {f"train.{name}": getattr(cfg.train, name) for name in ORDER_FIELDS},
     }
     return found | ({LAYOUT: layout} if layout else {})
@@ -103,6 +113,7 @@ def differences(saved: dict, current: dict) -> dict[str, list[str]]:
         before = saved.get(part)
         if not isinstance(before, dict):
             continue  # a checkpoint of an older version lacks it: nothing to compare
+        before = {**UNRECORDED.get(part, {}), **before}  # an older checkpoint's missing fields: their defaults
         keys = [k for k in now if k in before and before[k] != now[k]]  # fields both record, in their order
         named = [k for k in keys if k not in DIGESTS]
         fields = [f"{k}: {_shown(before[k])} -> {_shown(now[k])}" for k in (named or keys)]

@@ -20,7 +20,7 @@ from dflash_train.validate import config_problems
 
 SAVED = {"data": {"num_samples": 80, "sha256": "aaaa"},
          "target": {"config_sha256": "c1", "weights_fingerprint": "w1"},
-         "tokenizer": {"sha256": "k1"}, "drafter": {"sha256": "d1"},
+         "tokenizer": {"sha256": "k1"}, "drafter": {"num_layers": 2},
          "order": {"train.seqs_per_step": 4, "train.seed": 0, "train.num_anchors": 64}}
 
 
@@ -31,7 +31,7 @@ def _changed(part, key, value):
 
 
 @pytest.mark.parametrize("part,key,value", [("data", "sha256", "bbbb"), ("target", "weights_fingerprint", "w2"),
-                                            ("tokenizer", "sha256", "k2"), ("drafter", "sha256", "d2")])
+                                            ("tokenizer", "sha256", "k2"), ("drafter", "num_layers", 3)])
 def test_each_changed_part_is_refused_by_name_and_allowed_knowingly(part, key, value):
     now = _changed(part, key, value)
     with pytest.raises(ProvenanceMismatch, match=rf"(?s){part}: {key}: .* -> .*train.allow_changed={part}"):
@@ -49,6 +49,19 @@ def test_order_fields_and_the_sample_count_cannot_be_allowed():
         Provenance(now, ("data", "target", "tokenizer", "drafter"), print).load_state_dict(SAVED)
     with pytest.raises(ProvenanceMismatch, match="the sample count cannot change"):
         Provenance(_changed("data", "num_samples", 81), ("data",), print).load_state_dict(SAVED)
+
+
+def test_a_drafter_setting_added_since_the_checkpoint_compares_as_its_default():
+    """A checkpoint written before a head setting existed does not record it: it resumes while the setting
+    keeps its default, and is refused, naming it, when it does not."""
+    from dflash_train.train.provenance import UNRECORDED
+
+    name, default = next((k, v) for k, v in UNRECORDED["drafter"].items() if isinstance(v, int)
+                         and not isinstance(v, bool))
+    now = _changed("drafter", name, default)
+    Provenance(now, (), print).load_state_dict(SAVED)  # not recorded then, at its default now: no change
+    with pytest.raises(ProvenanceMismatch, match=rf"(?s)drafter: {name}: {default} -> {default + 1}"):
+        Provenance(_changed("drafter", name, default + 1), (), print).load_state_dict(SAVED)
 
 
 def test_a_checkpoint_without_fingerprints_is_not_refused():
@@ -197,7 +210,7 @@ def test_every_suggested_allow_changed_value_lets_the_resume_go_on():
     count is refused without that suggestion, with what to do instead."""
     cases = [_changed(part, key, value) for part, key, value in
              [("data", "sha256", "bbbb"), ("target", "weights_fingerprint", "w2"), ("tokenizer", "sha256", "k2"),
-              ("drafter", "sha256", "d2"), ("data", "num_samples", 81)]]
+              ("drafter", "num_layers", 3), ("data", "num_samples", 81)]]
     both = _changed("target", "weights_fingerprint", "w2")
     both["data"]["num_samples"] = 81
     for now in cases + [both]:
