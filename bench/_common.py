@@ -8,16 +8,11 @@ the script goes on with what does not depend on it; the exit status is 0 only if
 
 from __future__ import annotations
 
-import contextlib
-import datetime
-import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
-import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,6 +21,10 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
+from bench._bench import Bench, environment, say, sync  # noqa: E402,F401 - the scripts reach them as C.<name>
+# compile health and kernel profiles live in bench/_health.py; the scripts reach them as C.<name>
+from bench._health import (call_quietly, check_compile_health, compile_health_module,  # noqa: E402,F401
+                           health_snapshot, kernel_group, profile_steps)
 from dflash_train import plan  # noqa: E402 - the known target shapes (pure config arithmetic)
 
 GIB = 1024 ** 3
@@ -45,90 +44,6 @@ SMALL_TARGET = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, 
                     num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096,
                     rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1e6)
 PAPER_MASK_TOKEN = 151669  # the z-lab Qwen3 drafters' mask token id
-
-
-def say(line: str) -> None:
-    """Print one line in a single write: print() writes the text and the newline separately, so
-    under torchrun another rank's output could land between them and break a RESULT line."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
-
-
-class Bench:
-    """Progress log, failure-tolerant phases, figures, JSON and the final verdict line."""
-
-    def __init__(self, name: str, args=None, rank: int | None = None):
-        self.name, self.args = name, args
-        self.prefix = name if rank is None else f"{name} rank{rank}"
-        self.t0 = time.perf_counter()
-        self.figures: dict = {}
-        self.info: dict = {}
-        self.failed: list[str] = []
-        self.log(f"start: {' '.join(sys.argv)}")
-
-    def log(self, message: str) -> None:
-        say(f"[{self.prefix} +{time.perf_counter() - self.t0:.0f}s] {message}")
-
-    @contextlib.contextmanager
-    def phase(self, title: str):
-        """Run a block; on an exception print one clear line (and the traceback tail), record the
-        failure and carry on after the block. Check `ok(title)` before using what it built."""
-        self.log(f"phase '{title}': start")
-        start = time.perf_counter()
-        try:
-            yield
-        except Exception as e:  # noqa: BLE001 - a benchmark reports and goes on
-            self.failed.append(title)
-            first = (str(e).strip().splitlines() or [""])[0][:300]
-            self.log(f"PHASE FAILED '{title}' after {time.perf_counter() - start:.1f}s: {type(e).__name__}: {first}")
-            tail = traceback.format_exc().strip().splitlines()[-14:]
-            say("\n".join("    | " + line for line in tail))
-            if torch.cuda.is_available():
-                with contextlib.suppress(Exception):
-                    torch.cuda.synchronize()
-                    torch.cuda.empty_cache()
-        else:
-            self.log(f"phase '{title}': done in {time.perf_counter() - start:.1f}s")
-
-    def ok(self, *titles: str) -> bool:
-        return not any(t in self.failed for t in titles)
-
-    def figure(self, key: str, value, note: str = "") -> None:
-        self.figures[key] = value
-        shown = f"{value:.6g}" if isinstance(value, float) else value
-        say(f"RESULT {key}={shown}" + (f"  # {note}" if note else ""))
-
-    def finish(self, verdict: str, json_path: str | None) -> int:
-        status = "OK" if not self.failed else f"PARTIAL (failed: {', '.join(self.failed)})"
-        if json_path:
-            payload = {"bench": self.name, "status": status, "figures": self.figures, "info": self.info,
-                       "failed": self.failed, "env": environment(), "command": " ".join(sys.argv),
-                       "date": datetime.date.today().isoformat()}
-            try:
-                Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-                Path(json_path).write_text(json.dumps(payload, indent=2, default=str))
-                self.log(f"figures written to {json_path}")
-            except OSError as e:
-                self.log(f"could not write {json_path}: {e}")
-        say(f"VERDICT {self.name}: {status}: {verdict}")
-        return 0 if not self.failed else 1
-
-
-def environment() -> dict:
-    env = {"torch": torch.__version__, "python": platform.python_version(), "host": platform.node(),
-           "cpu_threads": torch.get_num_threads()}
-    with contextlib.suppress(Exception):
-        import transformers
-
-        env["transformers"] = transformers.__version__
-    if torch.cuda.is_available():
-        env["cuda"] = torch.version.cuda
-        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        with contextlib.suppress(Exception):
-            import triton
-
-            env["triton"] = triton.__version__
-    return env
 
 
 def start(name: str, args) -> tuple["Bench", torch.device]:
@@ -168,11 +83,6 @@ def cpu_threads(small: bool) -> None:
     """The smoke runs use one thread: on small shared CPUs, 2 threads make tiny matmuls 30x slower."""
     if small and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def median(values) -> float:
@@ -356,8 +266,8 @@ def random_drafter(dcfg, device: torch.device, std: float = 0.02):
     """The drafter of dcfg.arch in float32 (as `setup.init_drafter` makes it), random normal(0, std)
     linears, embeddings and a head's free parameters, unit norms, identity convolutions (a module's
     `reset_identity`); materialised directly on the device."""
-    from dflash_train.model.architectures import build_drafter
-    from dflash_train.model.drafter import RMSNorm
+    from dflash_train.model.drafter.heads.architectures import build_drafter
+    from dflash_train.model.drafter.backbone import RMSNorm
 
     with torch.device("meta"):
         drafter = build_drafter(dcfg)
@@ -378,8 +288,8 @@ def random_drafter(dcfg, device: torch.device, std: float = 0.02):
 
 def drafter_config(tcfg, *, layers: int, block_size: int, small: bool, arch: str = "dflash",
                    sliding_window: int | None = None):
-    from dflash_train.model.architectures import head
-    from dflash_train.model.config import drafter_config_from_target
+    from dflash_train.model.drafter.heads.architectures import head
+    from dflash_train.model.drafter.config import drafter_config_from_target
 
     mask_id = tcfg.vocab_size - 1 if small else PAPER_MASK_TOKEN
     return drafter_config_from_target(tcfg, num_layers=layers, block_size=block_size, mask_token_id=mask_id,
@@ -397,7 +307,7 @@ def synthetic_microbatch(rows: int, seq_len: int, num_anchors: int, vocab: int, 
     """A MicroBatch of random ids, loss on every position (anchors uniform over the sequence),
     anchors drawn by the package's `sample_anchors`, random taps already on the device."""
     from dflash_train.data.anchors import sample_anchors
-    from dflash_train.train.batching import MicroBatch
+    from dflash_train.train.feed.batching import MicroBatch
 
     input_ids = synthetic_ids(rows, seq_len, vocab, seed)
     loss_mask = torch.ones(rows, seq_len, dtype=torch.long)
@@ -481,8 +391,3 @@ def fmt_rate(tok_s: float) -> str:
     if not math.isfinite(tok_s):
         return "n/a"
     return f"{tok_s / 1e3:.1f}K tok/s" if tok_s >= 1e3 else f"{tok_s:.1f} tok/s"
-
-
-# Compile health and kernel profiles live in bench/_health.py; the scripts reach them as C.<name>.
-from bench._health import (call_quietly, check_compile_health, compile_health_module,  # noqa: E402,F401
-                           health_snapshot, kernel_group, profile_steps)

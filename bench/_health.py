@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-# _common imports this module at its end, after these exist (only _common imports this module)
-from bench._common import Bench, sync
+from bench._bench import Bench, sync
 
 # ------------------------------------------------------------------------------------------------
 # Compile health: `dflash_train.diagnostics.compile_health` when present (imported defensively; its

@@ -6,7 +6,7 @@ compiled-vs-eager speed of the training attention.
     python bench/drafter_step.py --attention sdpa                  # dense-mask SDPA instead of flex
     python bench/drafter_step.py --small                           # tiny shapes, CPU, seconds
     python bench/drafter_step.py --precision fp8 --fp8-recipe rowwise   # float8 linears (torchao, sm89+)
-    python bench/drafter_step.py --optim muon                      # Muon for the hidden matrices (train/muon.py)
+    python bench/drafter_step.py --optim muon                      # Muon for the hidden matrices (train/optim/muon.py)
     python bench/drafter_step.py --micro-batches 8                 # 8 micro-batches per step (float32 sums)
     python bench/drafter_step.py --arch dspark --block-size 8 --loss tv --profile 3   # where DSpark's step goes
     python bench/drafter_table.py ...                              # several arms (and an older tree) in one call
@@ -39,7 +39,7 @@ import torch  # noqa: E402
 
 from bench import _common as C  # noqa: E402
 from dflash_train.config import RunConfig  # noqa: E402
-from dflash_train.model.architectures import HEAD_NAMES  # noqa: E402
+from dflash_train.model.drafter.heads.architectures import HEAD_NAMES  # noqa: E402
 
 DEFAULTS = RunConfig()  # the trainer's defaults: what "the new defaults" of a recipe change mean here
 
@@ -50,7 +50,7 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description="DFlash drafter train-step benchmark")
     C.add_shape_args(p)
     p.add_argument("--layers", type=int, help="drafter layers (default 5; 2 with --small)")
-    p.add_argument("--arch", choices=HEAD_NAMES, default="dflash", help="drafter.arch (model/architectures.py)")
+    p.add_argument("--arch", choices=HEAD_NAMES, default="dflash", help="drafter.arch (model/drafter/heads/architectures.py)")
     p.add_argument("--sliding-window", type=int, default=DEFAULTS.drafter.sliding_window,
                    help=f"drafter.sliding_window, non-causal (default {DEFAULTS.drafter.sliding_window}; 0 = full attention)")
     p.add_argument("--weighting", choices=("decay", "dpace"), default=DEFAULTS.loss.weighting,
@@ -79,7 +79,7 @@ def parse(argv=None):
                    help=f"optim.muon_ns_steps (default {DEFAULTS.optim.muon_ns_steps})")
     p.add_argument("--micro-batches", type=int, default=1,
                    help="micro-batches per optimizer step (the same one repeated; > 1 sums the bf16 gradients "
-                        "in float32, train/grads.py); tokens and FLOPs count all of them")
+                        "in float32, train/optim/grads.py); tokens and FLOPs count all of them")
     p.add_argument("--chunk-tokens", type=int, default=2048, help="lm_head/CE chunk rows (loss.chunk_tokens)")
     p.add_argument("--compile-loss", action=argparse.BooleanOptionalAction, default=None,
                    help="fuse the loss passes with torch.compile (default: as --compile)")
@@ -108,7 +108,7 @@ def parse(argv=None):
 def main(argv=None) -> int:
     a = parse(argv)
     b, device = C.start("drafter_step", a)
-    from dflash_train.train.parallel import resolve_backend, resolve_compile
+    from dflash_train.train.parallel.parallelize import resolve_backend, resolve_compile
 
     try:
         backend = resolve_backend(a.attention, device)
@@ -221,9 +221,9 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
     embedding/lm_head and taps (target dtype), optimizer, the compiled model; returned in a dict so
     that dropping the dict frees them."""
     from dflash_train.config import OptimConfig
-    from dflash_train.model.attention import PersistentMasks
-    from dflash_train.train.optim import build_optimizer, param_dtype
-    from dflash_train.train.parallel import parallelize
+    from dflash_train.model.drafter.attention import PersistentMasks
+    from dflash_train.train.optim.optimizer import build_optimizer, param_dtype
+    from dflash_train.train.parallel.parallelize import parallelize
 
     S, N, rows = a.seq_len, a.anchors, a.batch
     tcfg = C.target_config(a.small)
@@ -238,7 +238,7 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
     persistent = PersistentMasks() if a.compile_mode == "reduce-overhead" else None
     from dataclasses import replace as _replace
 
-    from dflash_train.train.softmax_rows import LossMix
+    from dflash_train.train.loss.softmax_rows import LossMix
 
     mix = LossMix.from_config(_replace(DEFAULTS.loss, kind=a.loss))
     ctx = C.step_context(dcfg, embed, lm_head, device, backend, a.chunk_tokens, compile_loss=compile_loss,
@@ -289,7 +289,7 @@ def attention_ratio(b: C.Bench, dcfg, mb, device: torch.device, dtype: torch.dty
     SDPA with the dense boolean mask for reference. fwd+bwd on CUDA, fwd only on CPU."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from dflash_train.model.attention import MaskSpec, dense_mask, flex_block_mask
+    from dflash_train.model.drafter.attention import MaskSpec, dense_mask, flex_block_mask
 
     rows, S = mb.input_ids.shape
     N, B = mb.anchors.shape[1], dcfg.block_size

@@ -40,7 +40,7 @@ def parse(argv=None):
 
 def attention_inputs(a, device: torch.device):
     """q/k/v/grad at the drafter's attention shapes and the real DFlash BlockMask."""
-    from dflash_train.model.attention import MaskSpec, flex_block_mask
+    from dflash_train.model.drafter.attention import MaskSpec, flex_block_mask
 
     tcfg = C.target_config(a.small)
     dcfg = C.drafter_config(tcfg, layers=1, block_size=a.block_size, small=a.small)

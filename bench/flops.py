@@ -144,11 +144,11 @@ def newton_schulz_flops(shapes, iterations: int = 5, iteration: str = "newton_sc
     """FLOPs of Muon's orthogonalisation of matrices `shapes` [(A, B), ...] per optimizer step
     (`optim.muon_iteration`): per iteration on the short side m <= n, X X^T (2 m^2 n), the quintic's
     G G (2 m^3) and (.) X (2 m^2 n); `gram` runs the Gram form on the wide matrices where it takes
-    fewer FLOPs (5 iterations: 28 m^3 + 8 m^2 n). The one count: train/muon.py `ns_flops`, checked
-    against torch's FlopCounterMode in tests/train/test_muon_step.py."""
+    fewer FLOPs (5 iterations: 28 m^3 + 8 m^2 n). The one count: train/optim/muon.py `ns_flops`, checked
+    against torch's FlopCounterMode in tests/train/optim/test_muon_step.py."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
-    from dflash_train.train.muon import ns_flops, uses_gram
+    from dflash_train.train.optim.muon import ns_flops, uses_gram
 
     total = 0.0
     for a, b in shapes:

@@ -98,10 +98,10 @@ def fail_fast(b: C.Bench, title: str) -> None:
 def main(argv=None) -> int:
     a = parse(argv)
     C.cpu_threads(a.small)
-    from dflash_train.train.batching import BatchPlan, Sample
-    from dflash_train.train.sources import CollateArgs, Feed, RemoteSource, TargetServer
-    from dflash_train.train.taps import taps_spec
-    from dflash_train.train.topology import Topology
+    from dflash_train.train.feed.batching import BatchPlan, Sample
+    from dflash_train.train.feed.sources import CollateArgs, Feed, RemoteSource, TargetServer
+    from dflash_train.train.feed.taps import taps_spec
+    from dflash_train.train.parallel.topology import Topology
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))
     b = C.Bench("pipeline", a, rank=rank)
@@ -145,11 +145,11 @@ def main(argv=None) -> int:
 
     if topo.is_target:
         with b.phase("build target"):
-            from dflash_train.model.taps import build_target_layer_ids
-            from dflash_train.model.target import Target
+            from dflash_train.model.target.taps import build_target_layer_ids
+            from dflash_train.model.target.target import Target
 
             layer_ids = build_target_layer_ids(tcfg.num_hidden_layers, 5)
-            from dflash_train.train.parallel import resolve_compile
+            from dflash_train.train.parallel.parallelize import resolve_compile
 
             inner = Target(model=C.random_target(tcfg, device, dtype), tokenizer=None)
             if a.precision == "fp8":
@@ -178,7 +178,7 @@ def main(argv=None) -> int:
         return 0
 
     # ---- drafter rank ----------------------------------------------------------------------
-    from dflash_train.train.parallel import resolve_backend, resolve_compile
+    from dflash_train.train.parallel.parallelize import resolve_backend, resolve_compile
 
     try:
         attn = resolve_backend(a.attention, device)
@@ -193,8 +193,8 @@ def main(argv=None) -> int:
     st: dict = {}
     with b.phase("build drafter"):
         from dflash_train.config import OptimConfig
-        from dflash_train.train.optim import build_optimizer, param_dtype
-        from dflash_train.train.parallel import parallelize
+        from dflash_train.train.optim.optimizer import build_optimizer, param_dtype
+        from dflash_train.train.parallel.parallelize import parallelize
 
         dcfg = C.drafter_config(tcfg, layers=a.layers, block_size=B, small=a.small)
         drafter = C.random_drafter(dcfg, device)

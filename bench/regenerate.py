@@ -76,7 +76,7 @@ def _timed_phases(enabled: bool) -> dict:
 def _random_target(directory: str, device: str, dtype_name: str):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from dflash_train.model.target import Target
+    from dflash_train.model.target.target import Target
 
     dtype = torch.float32 if dtype_name == "float32" or device != "cuda" else torch.bfloat16
     with torch.device(device):
@@ -112,8 +112,8 @@ def main() -> int:
     if args.small:
         args.prompts, args.batch, args.max_new, args.device = 6, 4, 8, "cpu"
     from dflash_train.data.corpus import default_train_conversations
-    from dflash_train.model.target import load_target
-    from dflash_train.model.taps import build_target_layer_ids
+    from dflash_train.model.target.load import load_target
+    from dflash_train.model.target.taps import build_target_layer_ids
 
     bench = Bench("regenerate", args)
     target = _random_target(args.random_weights, args.device, args.dtype) if args.random_weights else \

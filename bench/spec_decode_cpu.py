@@ -27,8 +27,8 @@ import torch
 
 from bench._common import Bench
 from dflash_train.eval import spec_decode as sd
-from dflash_train.model.config import drafter_config_from_target
-from dflash_train.model.drafter import DFlashDrafter
+from dflash_train.model.drafter.config import drafter_config_from_target
+from dflash_train.model.drafter.backbone import DFlashDrafter
 
 PROMPT = [{"role": "user", "content": "Can you explain how a hash map works and when I should use one "
                                       "instead of a sorted list? Please give a short example in Python."}]
@@ -41,7 +41,7 @@ def _load(arch_only: bool):
         from bench.target_taps import _smollm2_architecture
 
         return _smollm2_architecture("cpu"), torch.randint(0, 49000, (1, 48), generator=torch.Generator().manual_seed(0))
-    from dflash_train.model.target import load_target
+    from dflash_train.model.target.load import load_target
 
     target = load_target("smollm2", dtype="float32", device="cpu")
     text = target.tokenizer.apply_chat_template(PROMPT, tokenize=False, add_generation_prompt=True)

@@ -69,8 +69,8 @@ def main(argv=None) -> int:
     st: dict = {}
 
     with b.phase("build"):
-        from dflash_train.model.taps import build_target_layer_ids
-        from dflash_train.model.target import Target
+        from dflash_train.model.target.taps import build_target_layer_ids
+        from dflash_train.model.target.target import Target
 
         cfg = C.target_config(a.small, a.layers, a.arch)
         layer_ids = ([int(x) for x in a.taps.split(",")] if a.taps
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
 
 def tap_errors(b: C.Bench, reference: torch.Tensor, taps: torch.Tensor, layer_ids: list[int]) -> None:
     """Figures tap_rel_err_L<id> (relative Frobenius norm vs the bf16 taps) per tapped layer, and the max."""
-    from dflash_train.model.target import tap_relative_errors
+    from dflash_train.model.target.target import tap_relative_errors
 
     errors = tap_relative_errors(reference, taps, len(layer_ids))
     for layer, error in zip(layer_ids, errors):

@@ -42,7 +42,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--arch-only", action="store_true")
     args = p.parse_args()
-    from dflash_train.model.taps import build_target_layer_ids
+    from dflash_train.model.target.taps import build_target_layer_ids
 
     target = _smollm2_architecture(args.device) if args.arch_only else _timed_loads(args.device)
     _time_taps(target, args, build_target_layer_ids(target.num_layers, 5))
@@ -51,7 +51,7 @@ def main() -> None:
 def _smollm2_architecture(device: str):
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from dflash_train.model.target import Target
+    from dflash_train.model.target.target import Target
 
     cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                       num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
@@ -65,7 +65,7 @@ def _timed_loads(device: str):
     import transformers  # noqa: F401  (import time is not part of either load)
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
-    from dflash_train.model.target import load_target
+    from dflash_train.model.target.load import load_target
 
     cache = tempfile.mkdtemp(prefix="dflash-cache-")  # a cold cache, removed afterwards
     os.environ["DFLASH_TRAIN_CACHE"] = cache

@@ -111,7 +111,7 @@ def _signals_for_a_command():
     """For the command's life: `kill -USR1 <pid>` prints every thread's stack and the command goes on
     (docs: where is a job?); SIGTERM and SIGHUP end it as Ctrl-C does, so whatever it was writing is
     removed (atomic.atomic_dir) and it ends with the INTERRUPTED verdict. `train` replaces the latter
-    with its agreed stop (train/stop.py)."""
+    with its agreed stop (train/watch/stop.py)."""
     from dflash_train.diagnostics.watchdog import install_signal_stack_dump, remove_signal_stack_dump
 
     def interrupt(signum, frame):
@@ -146,7 +146,7 @@ def _run_command(name: str, argv: list[str]) -> int:
         outcome = module.run(cfg)
     except SystemExit as e:  # --help
         return int(e.code or 0)
-    except KeyboardInterrupt as e:  # Ctrl-C, or a signal outside train's loop (train/stop.py StopNow)
+    except KeyboardInterrupt as e:  # Ctrl-C, or a signal outside train's loop (train/watch/stop.py StopNow)
         print(f"dflash-train {name}: INTERRUPTED ({e or 'Ctrl-C'})", flush=True)
         return 3
     except Exception as e:  # noqa: BLE001 - every failure ends with a verdict and a non-zero exit

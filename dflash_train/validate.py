@@ -6,7 +6,7 @@ problem found listed, each naming its `section.field` and the fix.
 per-command functions add what that command needs (a field that must be set, a file that must
 exist); `validate_run` adds the training run's topology and batch arithmetic. Nothing here touches a
 device (the doctor's parent process runs these too); torch is imported with the config tree, whose
-drafter section takes its head settings from the head files (model/architectures.py).
+drafter section takes its head settings from the head files (model/drafter/heads/architectures.py).
 """
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dflash_train.config import RESUME_CHANGEABLE, ConfigError, RunConfig, block_size_of
-from dflash_train.model.architectures import setting_problems
+from dflash_train.model.drafter.heads.architectures import setting_problems
 from dflash_train.overrides import allowed_values, settings
 from dflash_train.data.train_spec import parse_train_spec
 from dflash_train.diagnostics.doctor import STAGE_KINDS
 
 if TYPE_CHECKING:  # only for the annotation: topology.py imports torch
-    from dflash_train.train.topology import Topology
+    from dflash_train.train.parallel.topology import Topology
 
 BUILTIN_TARGETS = ("smollm2",)
 
@@ -169,7 +169,7 @@ def _drafter_dir_problems(key: str, value: str | None, draft_vocab: bool = False
                 "`drafter/`, or a published DFlash drafter)"]
     if not draft_vocab or not (config.parent / "draft_vocab.json").is_file():
         return []
-    from dflash_train.model.hf_format import load_draft_vocab  # local: torch is heavy for validation
+    from dflash_train.model.drafter.export.hf_format import load_draft_vocab  # local: torch is heavy for validation
 
     try:  # a malformed draft vocabulary fails here, not after the target has loaded
         vocab_size = json.loads(config.read_text()).get("vocab_size") or 2**62
@@ -180,10 +180,10 @@ def _drafter_dir_problems(key: str, value: str | None, draft_vocab: bool = False
 
 
 def _ecosystem_problems(key: str, value: str | None) -> list[str]:
-    """A z-lab, speculators or DeepSpec drafter config our classes read (model/ecosystem.py; no torch)."""
+    """A z-lab, speculators or DeepSpec drafter config our classes read (model/drafter/export/ecosystem.py; no torch)."""
     if value is None or not (Path(value).expanduser() / "config.json").is_file():
         return []  # said by _drafter_dir_problems
-    from dflash_train.model.ecosystem import config_problems
+    from dflash_train.model.drafter.export.ecosystem import config_problems
 
     return [f"{key}={value}: {problem}" for problem in config_problems(value)]
 
@@ -254,7 +254,7 @@ def _local_text_config(model: str) -> dict | None:
 
 def _stage_count_problems(model: str, size: int) -> list[str]:
     """Pipeline stages hold at least one decoder layer each (from a local config.json; a GGUF or
-    hub-cache target is checked when its stage is cut, `model/pipeline_stages.py`)."""
+    hub-cache target is checked when its stage is cut, `model/target/pipeline_stages.py`)."""
     layers = (_local_text_config(model) or {}).get("num_hidden_layers")
     if layers is None or layers >= size:
         return []
@@ -268,7 +268,7 @@ def _target_width_problems(model: str, size: int) -> list[str]:
     text = _local_text_config(model)
     if text is None:
         return []
-    from dflash_train.model.tensor_parallel import indivisible_widths  # torch.distributed only, no weights
+    from dflash_train.model.target.tensor_parallel import indivisible_widths  # torch.distributed only, no weights
 
     bad = [f"{k}={n}" for k, n in indivisible_widths(text, size).items()]
     if not bad:

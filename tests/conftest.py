@@ -11,7 +11,7 @@ import torch
 
 def _smollm2_hf_dir() -> Path:
     """The cached HF conversion of the embedded SmolLM2 GGUF (converted on first use, ~40 s)."""
-    from dflash_train.model import target as target_mod
+    from dflash_train.model.target import load as target_mod
 
     return target_mod.converted_gguf_dir(*target_mod.resolve_target("smollm2"))
 
@@ -19,7 +19,7 @@ def _smollm2_hf_dir() -> Path:
 @pytest.fixture(scope="session")
 def smollm2_target():
     """The real SmolLM2-135M-Instruct target (fp32, CPU), via `load_target("smollm2")`."""
-    from dflash_train.model.target import load_target
+    from dflash_train.model.target.load import load_target
 
     return load_target("smollm2")
 
@@ -48,7 +48,7 @@ def tiny_qwen3(vocab_size: int, seed: int = 0, layers: int = 6, hidden: int = 64
 @pytest.fixture(scope="session")
 def tiny_qwen3_target(smollm2_tokenizer):
     """A seeded random 6-layer, hidden-64 Qwen3 over the SmolLM2 tokenizer, as a `Target`."""
-    from dflash_train.model.target import Target
+    from dflash_train.model.target.target import Target
 
     model = tiny_qwen3(len(smollm2_tokenizer))
     model.generation_config.eos_token_id = smollm2_tokenizer.eos_token_id

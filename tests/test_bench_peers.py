@@ -26,7 +26,7 @@ def speculators():
 
 
 def test_the_peer_trains_on_our_samples_and_our_eval_reads_its_checkpoint(speculators, tiny_qwen3_dir, tmp_path):
-    from dflash_train.model.ecosystem import load_drafter
+    from dflash_train.model.drafter.export.ecosystem import load_drafter
 
     run = tmp_path / "run"
     cmd = [sys.executable, "bench/peers/peer_train.py", "--recipe", "tiny", f"target.model={tiny_qwen3_dir}",

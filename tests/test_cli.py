@@ -157,7 +157,7 @@ def test_verdicts_and_exit_codes(fake_command, capsys):
     assert cli.main(["fake"]) == 1
     out, err = capsys.readouterr()
     assert out == "dflash-train fake: FAILED: data.jsonl:3: bad JSON\n" and "Traceback" not in err
-    from dflash_train.train.checkpoint import CheckpointWriteError
+    from dflash_train.train.state.checkpoint import CheckpointWriteError
 
     module.outcome = CheckpointWriteError("checkpoint c/step_00000002 not written ([Errno 28] No space left on device)")
     assert cli.main(["fake"]) == 1

@@ -10,7 +10,7 @@ import pytest
 from dflash_train import recipes, validate
 from dflash_train.config import ConfigError, RunConfig
 from dflash_train.overrides import apply_overrides
-from dflash_train.train.topology import Topology
+from dflash_train.train.parallel.topology import Topology
 
 ONE = Topology("colocated", 1, 0, 0, 0)
 

@@ -105,7 +105,7 @@ def load_recipe_data(cfg, minutes):
 
 def verifier_dir(cfg) -> str:
     """The target as an HF directory, where speculators reads the verifier's config and frozen weights."""
-    from dflash_train.model.target import converted_gguf_dir, resolve_target
+    from dflash_train.model.target.load import converted_gguf_dir, resolve_target
 
     path, gguf = resolve_target(cfg.target.model, cfg.target.gguf_file)
     return str(converted_gguf_dir(path, gguf, log=log)) if gguf else path
@@ -220,7 +220,7 @@ def train(model, loader, config, minutes, max_steps, device, log_every: int) -> 
     from speculators.train.optimizers import build_optimizers
     from speculators.train.recovery import BatchRecoveryCoordinator
 
-    from dflash_train.train.optim import TimeBudget
+    from dflash_train.train.optim.optimizer import TimeBudget
 
     per_epoch = len(loader)
     cap = min(config.num_epochs * per_epoch, max_steps or 1 << 62)
@@ -306,7 +306,7 @@ def train_peer(args, cfg, minutes, out: Path) -> dict:
 
     import peer_data
     from dflash_train.commands import device_of
-    from dflash_train.model.target import norm_factor
+    from dflash_train.model.target.target import norm_factor
 
     device = torch.device(device_of(cfg))
     cfg, target, dcfg, samples, rows, data = load_recipe_data(cfg, minutes)

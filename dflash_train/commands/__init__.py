@@ -11,7 +11,7 @@ A command module defines:
     run(cfg)       returns the verdict's detail (or a Verdict); raises on failure
 Command modules import the library inside `run` only, so `--help`, `--print-config` and a config error
 answer before any model, data or device is touched. torch itself is imported with the config tree
-(its drafter section takes the heads' settings from the head files, model/architectures.py, which are
+(its drafter section takes the heads' settings from the head files, model/drafter/heads/architectures.py, which are
 torch modules: about 2 s on a 2-core CPU), but nothing initialises a device before `run`, and the
 doctor's parent process never does.
 """
@@ -57,7 +57,7 @@ def device_of(cfg, fallback: str | None = None) -> str:
 def load_configured_target(cfg, fallback_device: str | None = None, check_tokenizer=None):
     """The target as `cfg.target` describes it, on `device_of(cfg)`; `check_tokenizer(tokenizer)` runs
     before the weights load (`load_target`)."""
-    from dflash_train.model.target import load_target  # imports torch (see the module docstring)
+    from dflash_train.model.target.load import load_target  # imports torch (see the module docstring)
 
     return load_target(cfg.target.model, cfg.target.gguf_file, cfg.target.dtype, device_of(cfg, fallback_device),
                        cfg.target.trust_remote_code, check_tokenizer=check_tokenizer)

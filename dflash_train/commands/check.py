@@ -1,8 +1,8 @@
 """`dflash-train check DRAFTER --target T`: will this drafter be served right with that target?
 
-Lists every failure of the serving contract (dflash_train/model/serving_check.py), each naming its
+Lists every failure of the serving contract (dflash_train/model/drafter/export/check.py), each naming its
 field, then a line per engine (vLLM, SGLang): what it would refuse to load, or that it loads the drafter
-and serves it wrong, or as trained (model/engine_rules.py); then the verdict; exits non-zero on any failure. A drafter of a target that scales its embeddings or
+and serves it wrong, or as trained (model/drafter/export/engine_rules.py); then the verdict; exits non-zero on any failure. A drafter of a target that scales its embeddings or
 logits gets a note per field saying which engines apply it. Works on a fresh machine for every target form
 (a GGUF is converted into the cache once, as training does). Reads the target's files only (config,
 safetensors headers, a few sampled bytes); the drafter is loaded on the CPU for one block's forward.
@@ -26,10 +26,11 @@ ALIASES = (Alias("--drafter", "check.drafter"), Alias("--target", "target.model"
 
 def run(cfg) -> str | Verdict:
     # the model code loads here only (see commands/__init__.py)
-    from dflash_train.model.engine_rules import verdicts
-    from dflash_train.model.hf_format import TRAINED_AGAINST
-    from dflash_train.model.serving_check import check_drafter, engine_notes, serve_instructions
-    from dflash_train.model.target_identity import describe_target
+    from dflash_train.model.drafter.export.engine_rules import verdicts
+    from dflash_train.model.drafter.export.hf_format import TRAINED_AGAINST
+    from dflash_train.model.drafter.export.check import check_drafter
+    from dflash_train.model.drafter.export.serve import engine_notes, serve_instructions
+    from dflash_train.model.target.identity import describe_target
 
     drafter_dir = cfg.check.drafter
     target = describe_target(cfg.target.model, cfg.target.gguf_file)

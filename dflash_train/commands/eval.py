@@ -1,6 +1,6 @@
 """`dflash-train eval --drafter DIR [--target T] [...]`: real speculative decoding of held-out prompts
 with a drafter directory against its target: ours or any published one in the z-lab, speculators or
-DeepSeek DeepSpec format (told apart by config.json and read into our classes: model/ecosystem.py). A target without a chat
+DeepSeek DeepSpec format (told apart by config.json and read into our classes: model/drafter/export/ecosystem.py). A target without a chat
 template (a base model; `data.format=auto` says so in one line) is measured on text sets.
 
 Prints a summary table and ends with `dflash-train eval: OK tau=... speedup=...x`. Writes
@@ -32,8 +32,8 @@ ALIASES = (
 def run(cfg) -> str:
     from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
     from dflash_train.eval.evaluate import check_compatible, eval_draft_vocab, evaluate_as_served
-    from dflash_train.model.ecosystem import load_drafter
-    from dflash_train.model.hf_format import refuse_non_finite
+    from dflash_train.model.drafter.export.ecosystem import load_drafter
+    from dflash_train.model.drafter.export.hf_format import refuse_non_finite
     from dflash_train.train.setup import resolve_format
 
     e = cfg.eval
@@ -74,7 +74,7 @@ def _simulator(cfg, drafter, target):
     import torch
 
     from dflash_train.config import derived_gamma
-    from dflash_train.train.simulate import simulator
+    from dflash_train.train.watch.simulate import simulator
     from dflash_train.train.step import StepContext
 
     dcfg = drafter.config

@@ -1,5 +1,5 @@
 """Target groups for the data commands (`prepare`, `regenerate`) under torchrun: consecutive ranks
-of `topology.target_group_size` share one target sharded over them (model/tensor_parallel.py), each
+of `topology.target_group_size` share one target sharded over them (model/target/tensor_parallel.py), each
 group works on its own contiguous share of the data, and only a group's first rank writes."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def join_groups(cfg) -> Groups:
     import torch  # see commands/__init__.py: only `run` imports torch
     import torch.distributed as dist
 
-    from dflash_train.model.tensor_parallel import group_mesh
+    from dflash_train.model.target.tensor_parallel import group_mesh
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     device = f"cuda:{local % torch.cuda.device_count()}" if torch.cuda.is_available() else "cpu"

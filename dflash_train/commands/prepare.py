@@ -35,8 +35,8 @@ ALIASES = (
 def run(cfg) -> str:
     from dflash_train.data.conversations import read_conversations, tokenize_conversations
     from dflash_train.data.text import check_data_format
-    from dflash_train.model.config import tap_layer_ids
-    from dflash_train.model.target import load_target
+    from dflash_train.model.drafter.config import tap_layer_ids
+    from dflash_train.model.target.load import load_target
 
     d = cfg.data
     groups = join_groups(cfg)

@@ -33,7 +33,7 @@ def run(cfg) -> str:
     from dflash_train.data.conversations import read_conversations
     from dflash_train.data.regenerate import regenerate
     from dflash_train.data.text import check_data_format
-    from dflash_train.model.target import load_target
+    from dflash_train.model.target.load import load_target
 
     d = cfg.data
     groups = join_groups(cfg)

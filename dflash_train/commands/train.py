@@ -24,7 +24,7 @@ def validate(cfg) -> None:
     problems = check_topology(cfg, world_size_from_env())
     if problems:  # a Topology cannot even be built from these settings
         raise ConfigError(problems[0])
-    from dflash_train.train.topology import topology_from_env  # imports torch (commands/__init__.py)
+    from dflash_train.train.parallel.topology import topology_from_env  # imports torch (commands/__init__.py)
 
     topology = cfg.topology
     validate_run(cfg, topology_from_env(topology.mode, topology.target_ranks, topology.target_group_size,
@@ -32,10 +32,10 @@ def validate(cfg) -> None:
 
 
 def run(cfg) -> str | Verdict:
-    from dflash_train.train import run_lock
+    from dflash_train.train.state import run_lock
     from dflash_train.train.command import summary
     from dflash_train.train.loop import train
-    from dflash_train.train.topology import topology_from_env
+    from dflash_train.train.parallel.topology import topology_from_env
 
     topology = cfg.topology
     topo = topology_from_env(topology.mode, topology.target_ranks, topology.target_group_size, topology.target_parallel)

@@ -36,7 +36,7 @@ from transformers import (AttentionInterface, AttentionMaskInterface, LogitsProc
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from dflash_train.model.decoding import cache_kwarg, mask_positions
+from dflash_train.model.target.decoding import cache_kwarg, mask_positions
 
 SYNC_EVERY = 16  # decode steps between the host's "are all rows done?" checks
 LENGTH_BUCKET = 64  # cache lengths are rounded up to this: one graph per bucket

@@ -8,7 +8,7 @@ as the drafter training itself). The sample is built from the generated token id
 loss mask line up exactly; nothing is decoded and re-tokenized.
 
 Taps come from incremental decoding with a KV cache, as at inference (`eval/spec_decode.py`), and
-are indexed as everywhere (`model/taps.py`).
+are indexed as everywhere (`model/target/taps.py`).
 The last response token is never fed back, so its tap is zero: no training query sees it (context
 is strictly before an anchor, and an anchor needs a supervised token after it).
 
@@ -36,11 +36,11 @@ from dflash_train.data import graph_decode
 from dflash_train.data.conversations import prompt_messages, render_chat
 from dflash_train.data.records import Sample
 from dflash_train.data.regenerate import end_of_turn_ids, pad_id
-from dflash_train.model.decoding import cache_kwarg, left_pad, mask_positions, new_cache
-from dflash_train.model.taps import select_taps
+from dflash_train.model.target.decoding import cache_kwarg, left_pad, mask_positions, new_cache
+from dflash_train.model.target.taps import select_taps
 
 
-FINAL_HIDDEN = "final_hidden"  # as in train/taps.py (the data layer does not import the trainer)
+FINAL_HIDDEN = "final_hidden"  # as in train/feed/taps.py (the data layer does not import the trainer)
 
 
 @dataclass

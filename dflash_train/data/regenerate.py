@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from dflash_train.data.conversations import prompt_messages, render_chat
 from dflash_train.data.records import Conversation
-from dflash_train.model.decoding import left_pad
+from dflash_train.model.target.decoding import left_pad
 
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|endoftext|>", "<|end|>", "</s>")
 

@@ -15,7 +15,7 @@ from typing import Callable
 import torch
 
 from dflash_train.diagnostics.compile_health import CompileHealthError, warm_up_and_check
-from dflash_train.model.attention import MaskSpec, attend, flex_block_mask
+from dflash_train.model.drafter.attention import MaskSpec, attend, flex_block_mask
 
 
 @dataclass(frozen=True)

@@ -146,7 +146,7 @@ def stage_compile(params: dict) -> dict:
     figure += f"; healthy after warm-up: {r['health']}"
     if r["mask_error"] and device.startswith("cuda"):
         return result("FAIL", figure, "training on CUDA builds sliding-window masks with the compiled flex_block_mask: "
-                      "fix dflash_train.model.attention.mask_rule for this torch", **r)
+                      "fix dflash_train.model.drafter.attention.mask_rule for this torch", **r)
     if r["mask_error"]:
         return result("WARN", figure, "CPU training uses sdpa (dense mask), so only a GPU run needs the "
                       "compiled builder; check it there", **r)
@@ -205,9 +205,9 @@ def stage_target(params: dict) -> dict:
     from dflash_train.diagnostics.target_check import target_throughput  # local: imports torch
 
     try:  # local: imports torch; a broken or partial install is a FAIL that says so, not a crash
-        from dflash_train.model.target import load_target
+        from dflash_train.model.target.load import load_target
     except ImportError as e:
-        return result("FAIL", f"cannot import dflash_train.model.target.load_target: {e}",
+        return result("FAIL", f"cannot import dflash_train.model.target.target.load_target: {e}",
                       "this dflash-train install is incomplete or broken; reinstall the package")
     r = target_throughput(load_target, params["target"], params["device"], bool(params.get("quick")))
     figure = (f"{params['target']} on {params['device']}: {r['tokens_per_s']:,.0f} tokens/s tapped forward "

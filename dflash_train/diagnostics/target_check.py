@@ -7,7 +7,7 @@ from typing import Callable
 
 import torch
 
-from dflash_train.model.taps import build_target_layer_ids
+from dflash_train.model.target.taps import build_target_layer_ids
 
 # (batch, sequence) per tapped forward: a quick smoke size, a CPU size, a training-like GPU size.
 BATCHES = {"quick": (2, 128), "cpu": (4, 512), "cuda": (8, 3072)}

@@ -32,8 +32,8 @@ from dflash_train.data.conversations import prompt_messages, render_chat
 from dflash_train.data.text import split_point
 from dflash_train.eval import report as rep
 from dflash_train.eval.spec_decode import DraftHead, GenResult, SpecResult, speculative_generate, target_generate
-from dflash_train.model.drafter import DFlashDrafter
-from dflash_train.model.hf_format import DRAFT_VOCAB, load_draft_vocab
+from dflash_train.model.drafter.backbone import DFlashDrafter
+from dflash_train.model.drafter.export.hf_format import DRAFT_VOCAB, load_draft_vocab
 
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
@@ -176,12 +176,12 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
     """Real speculative decoding vs plain target decoding on each prompt set (`heartbeat(stage)`, e.g.
     the watchdog's beat, is called after every prompt).
 
-    `target` is a `dflash_train.model.target.Target`; `drafter` an unwrapped `DFlashDrafter` on any
+    `target` is a `dflash_train.model.target.target.Target`; `drafter` an unwrapped `DFlashDrafter` on any
     device (taps and embeddings are moved to it). Returns the report: {"sets": {name: figures},
     "overall": figures pooled over all sets, settings...}; with `out_dir`, also writes
     report.json and the PNG plots there. `simulate(sequences)`, given a set's (prompt ids,
     speculative output ids) pairs, returns the simulated acceptance on that very text ({"sim_tau": the
-    decode walk, "sim_tau_anchors": per anchor}; `train/simulate.py`), kept in the set's figures: the
+    decode walk, "sim_tau_anchors": per anchor}; `train/watch/simulate.py`), kept in the set's figures: the
     train/serve check (a gap means the decode loop and training disagree). `draft_vocab` [V'] restricts
     the drafts to those token ids (spec_decode.DraftHead; the output is the same). Text sets' documents
     are cut after `text_prompt_tokens` tokens (`data.text_prompt_tokens`).

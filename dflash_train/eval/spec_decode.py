@@ -5,10 +5,10 @@ Conventions:
 - Batch size 1. `prompt_ids` is [1, P]; the target's `DynamicCache` holds positions [0, start) and
   the drafter's `ContextCache` holds the taps of the same positions, so `start` is both caches'
   length and the position of the anchor (the last emitted, not yet verified token).
-- Taps use z-lab semantics (`model/taps.py`): id i is HF `hidden_states[i + 1]`, concatenated
+- Taps use z-lab semantics (`model/target/taps.py`): id i is HF `hidden_states[i + 1]`, concatenated
   over `layer_ids`.
 - One step: draft block `[anchor, MASK x (B-1)]` at positions [start, start+B), embedded with the
-  target's embedding (times `input_embedding_scale`; logits as the target scales them, model/scaling.py);
+  target's embedding (times `input_embedding_scale`; logits as the target scales them, model/target/scaling.py);
   the drafter proposes D tokens (DFlash: slots 1..B-1, D = B - 1; a head may draft from the
   anchor's slot too, DSpark's D = B), walked as its head drafts (`DFlashDrafter.propose`:
   independently per slot for DFlash, a chain on the previous tokens for the other heads); the
@@ -47,10 +47,10 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from transformers import DynamicCache
 
-from dflash_train.model.decoding import cache_kwarg, new_cache
-from dflash_train.model.drafter import ContextCache, DFlashDrafter
-from dflash_train.model.scaling import Scaling, scale_embeddings, scale_logits
-from dflash_train.model.taps import select_taps
+from dflash_train.model.target.decoding import cache_kwarg, new_cache
+from dflash_train.model.drafter.backbone import ContextCache, DFlashDrafter
+from dflash_train.model.target.scaling import Scaling, scale_embeddings, scale_logits
+from dflash_train.model.target.taps import select_taps
 
 
 @dataclass
@@ -264,7 +264,7 @@ class DraftHead:
     costs V'/V of the full one. Lossless: the target verifies every draft, and a token outside the
     subset is simply never proposed. Both paths return full-width logits (-inf outside the subset),
     so rejection sampling compares the same [n, V] distributions either way. The scores become logits as
-    the target's do (`output_multiplier`, `final_logit_softcapping`: model/scaling.py)."""
+    the target's do (`output_multiplier`, `final_logit_softcapping`: model/target/scaling.py)."""
 
     weight: torch.Tensor
     """[V', H] rows scored (the whole lm_head when `ids` is None)."""

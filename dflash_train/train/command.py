@@ -3,7 +3,7 @@ summary and the commands that serve the exported drafter with the target it was 
 
 from __future__ import annotations
 
-from dflash_train.model.serving_check import serve_instructions
+from dflash_train.model.drafter.export.serve import serve_instructions
 
 
 def summary(result: dict) -> str:

@@ -6,7 +6,7 @@ taps -> step -> log / held-out simulated tau / checkpoint. Then the final checkp
 export and, with the target in-process, real speculative decoding on held-out prompts. Every
 process runs a watchdog. Every rank, target or drafter, votes after each step on stopping
 (SIGTERM/SIGINT/SIGHUP anywhere, the launcher's death, a spent time budget) and all stop after the
-same step, which the drafters checkpoint before any rank leaves (train/stop.py).
+same step, which the drafters checkpoint before any rank leaves (train/watch/stop.py).
 """
 
 from __future__ import annotations
@@ -26,27 +26,28 @@ from dflash_train.eval.evaluate import eval_draft_vocab, evaluate_as_served, sub
 from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
 from dflash_train.eval.report import lossless_note
 from dflash_train.fp8 import resolve_precision
-from dflash_train.model.config import DrafterConfig
-from dflash_train.model.hf_format import load_zlab
-from dflash_train.model.target import load_target
-from dflash_train.train import balance, setup
-from dflash_train.train.balance import ComputeTimer
-from dflash_train.train.batching import BatchPlan, MicroBatch
-from dflash_train.train.checkpoint import (Checkpointer, DrafterState, ResumePoint, RNGState, TrainProgress,
-                                           export_checkpoint, provenance)
-from dflash_train.train.health import BadStepGuard, CompileHealthWatch, FaultPlan, NonFiniteSteps
-from dflash_train.train.loss import LossMix, LossStats, summarize
-from dflash_train.train.metrics import MetricsLog, TokenInterval, fmt_values
-from dflash_train.train.optim import TimeBudget, build_optimizer, param_dtype
-from dflash_train.train.parallel import parallelize, resolve_backend, resolve_compile, use_shared_compile_cache
-from dflash_train.train.provenance import Provenance, check_ranks_agree, fingerprints, layout_of
-from dflash_train.train.sources import CollateArgs, Feed, TapsSource, TargetServer, build_source
-from dflash_train.train.simulate import simulated_tau, simulator
+from dflash_train.model.drafter.config import DrafterConfig
+from dflash_train.model.drafter.export.hf_format import load_zlab
+from dflash_train.model.target.load import load_target
+from dflash_train.train.feed import balance
+from dflash_train.train import setup
+from dflash_train.train.feed.balance import ComputeTimer
+from dflash_train.train.feed.batching import BatchPlan, MicroBatch
+from dflash_train.train.state.checkpoint import (Checkpointer, DrafterState, ResumePoint, RNGState, TrainProgress,
+                                                 export_checkpoint, provenance)
+from dflash_train.train.watch.health import BadStepGuard, CompileHealthWatch, FaultPlan, NonFiniteSteps
+from dflash_train.train.loss.objective import LossMix, LossStats, summarize
+from dflash_train.train.watch.metrics import MetricsLog, TokenInterval, fmt_values
+from dflash_train.train.optim.optimizer import TimeBudget, build_optimizer, param_dtype
+from dflash_train.train.parallel.parallelize import parallelize, resolve_backend, resolve_compile, use_shared_compile_cache
+from dflash_train.train.state.provenance import Provenance, check_ranks_agree, fingerprints, layout_of
+from dflash_train.train.feed.sources import CollateArgs, Feed, TapsSource, TargetServer, build_source
+from dflash_train.train.watch.simulate import simulated_tau, simulator
 from dflash_train.train.step import StepContext, reduce_stats, train_step
-from dflash_train.train.stop import BUDGET_SPENT, PeerWatch, StopFlag, StopVote
-from dflash_train.train.taps import taps_spec
-from dflash_train.train.topology import (Topology, control_group, init_distributed, init_target_groups,
-                                         pick_device, topology_from_env)
+from dflash_train.train.watch.stop import BUDGET_SPENT, PeerWatch, StopFlag, StopVote
+from dflash_train.train.feed.taps import taps_spec
+from dflash_train.train.parallel.topology import (Topology, control_group, init_distributed, init_target_groups,
+                                                  pick_device, topology_from_env)
 from dflash_train.validate import validate_run
 
 PAD_MULTIPLE = 64  # uncompiled runs pad lengths to this multiple; compiled runs pad to max_len (static)

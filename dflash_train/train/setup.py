@@ -21,16 +21,16 @@ from dflash_train.data.dataset import prepare_tapped as prepare_tapped_samples
 from dflash_train.data.shards import ShardReader
 from dflash_train.data.text import has_chat_template, resolve_data_format
 from dflash_train.eval.prompt_sets import check_prompt_sets
-from dflash_train.model.config import DrafterConfig, drafter_config_from_target
-from dflash_train.model.architectures import build_drafter, head_settings
-from dflash_train.model.drafter import DFlashDrafter
-from dflash_train.model.target import norm_factor, resolve_mask_token_id
-from dflash_train.model.target_subset import TargetSubset
-from dflash_train.train.batching import MicroBatch, Sample, padded_length
-from dflash_train.train.taps import FINAL_HIDDEN, StoredRows, TapsSpec
-from dflash_train.train.topology import Topology
+from dflash_train.model.drafter.config import DrafterConfig, drafter_config_from_target
+from dflash_train.model.drafter.heads.architectures import build_drafter, head_settings
+from dflash_train.model.drafter.backbone import DFlashDrafter
+from dflash_train.model.target.target import norm_factor, resolve_mask_token_id
+from dflash_train.model.target.subset import TargetSubset
+from dflash_train.train.feed.batching import MicroBatch, Sample, padded_length
+from dflash_train.train.feed.taps import FINAL_HIDDEN, StoredRows, TapsSpec
+from dflash_train.train.parallel.topology import Topology
 from dflash_train.fp8 import FP8_ALIGN
-from dflash_train.train.vocab import vocab_subset
+from dflash_train.train.loss.vocab import vocab_subset
 
 
 @dataclass(frozen=True)

@@ -21,17 +21,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from dflash_train.data.anchors import block_inputs, drafted_targets, position_ids
-from dflash_train.model.attention import MaskSpec, PersistentMasks, build_training_masks
-from dflash_train.model.config import DrafterConfig
-from dflash_train.model.drafter import drafted_rows
-from dflash_train.model.logits import LogitTransform
-from dflash_train.model.scaling import scale_embeddings
-from dflash_train.train.batching import MicroBatch, to_device
-from dflash_train.train.grads import float32_grads
-from dflash_train.train.loss import CE, LossMix, LossStats, Objective, block_loss, teacher_hidden_at
-from dflash_train.train.optim import divides_gradients, share_over_ranks, step_unless
-from dflash_train.train.softmax_rows import RowsSpec
-from dflash_train.train.vocab import VocabSubset
+from dflash_train.model.drafter.attention import MaskSpec, PersistentMasks, build_training_masks
+from dflash_train.model.drafter.config import DrafterConfig
+from dflash_train.model.drafter.backbone import drafted_rows
+from dflash_train.model.target.logits import LogitTransform
+from dflash_train.model.target.scaling import scale_embeddings
+from dflash_train.train.feed.batching import MicroBatch, to_device
+from dflash_train.train.optim.grads import float32_grads
+from dflash_train.train.loss.objective import CE, LossMix, LossStats, Objective, block_loss, teacher_hidden_at
+from dflash_train.train.optim.optimizer import divides_gradients, share_over_ranks, step_unless
+from dflash_train.train.loss.softmax_rows import RowsSpec
+from dflash_train.train.loss.vocab import VocabSubset
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,10 @@ import torch
 from transformers import LlamaConfig
 
 from dflash_train import cli
-from dflash_train.model import target as target_mod
-from dflash_train.model.config import drafter_config_from_target
-from dflash_train.model.drafter import DFlashDrafter
-from dflash_train.model.hf_format import save_zlab
+from dflash_train.model.target import load as target_mod
+from dflash_train.model.drafter.config import drafter_config_from_target
+from dflash_train.model.drafter.backbone import DFlashDrafter
+from dflash_train.model.drafter.export.hf_format import save_zlab
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, FF = 4, 64, 4, 2, 128
 

@@ -18,8 +18,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_train import cli
-from dflash_train.model.hf_format import EXPORT_MARKER, export_drafter, load_zlab, save_zlab
-from tests.model.test_serving_check import tiny_drafter
+from dflash_train.model.drafter.export.hf_format import EXPORT_MARKER, load_zlab, save_zlab
+from dflash_train.model.drafter.export.export import export_drafter
+from tests.model.drafter.export.test_serving_check import tiny_drafter
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -86,7 +87,7 @@ def test_a_drafter_holding_a_nan_is_refused_before_anything_is_written(drafter_d
 
 
 def test_an_export_that_fails_its_check_leaves_nothing(tiny_qwen3_target, tmp_path):
-    from dflash_train.model.serving_check import ServingContractError
+    from dflash_train.model.drafter.export.check import ServingContractError
     from tests.conftest import tiny_qwen3
 
     narrow = tiny_qwen3(tiny_qwen3_target.vocab_size, hidden=32)

@@ -175,7 +175,7 @@ def test_pitfall_5_one_template_and_thinking_mode_in_regeneration_training_eval_
 
     from dflash_train.data.conversations import chat_record, prompt_messages, render_chat
     from dflash_train.eval.evaluate import encode_prompts
-    from dflash_train.model.serving_check import _requests_note
+    from dflash_train.model.drafter.export.serve import _requests_note
 
     tok = copy.deepcopy(smollm2_tokenizer)
     tok.chat_template = THINKING_TEMPLATE

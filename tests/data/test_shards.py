@@ -11,7 +11,7 @@ import torch
 from dflash_train.data.records import TokenizedSample
 from dflash_train.data.shards import (INDEX_NAME, ShardReader, check_disk_space, dequantize_fp8,
                                       prepare_shards, quantize_fp8)
-from dflash_train.model.target import Target
+from dflash_train.model.target.target import Target
 from tests.conftest import tiny_qwen3
 
 LAYERS = [1, 3]

@@ -16,7 +16,7 @@ from dflash_train.data.dataset import parse_train_spec, read_train_conversations
 from dflash_train.data.regenerate import end_of_turn_ids
 from dflash_train.data.synthesize import (NoUserTurnError, Selector, SynthSettings, batch_seed, pre_query_prefix,
                                           sample_batch, synthesize_prompts, synthesized_eval_prompts)
-from dflash_train.model.target import Target
+from dflash_train.model.target.target import Target
 from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
 from tests.conftest import tiny_qwen3
 

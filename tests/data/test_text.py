@@ -170,8 +170,8 @@ def test_a_base_gemma3_trains_exports_checks_and_evaluates_on_text(gemma3_base_d
     trains with the target's embedding scale and exports it, the export passes the serving check against
     the target directory, and the end-of-run eval decodes held-out and embedded text prefixes, lossless
     (float32) with a real tau per set."""
-    from dflash_train.model.serving_check import check_drafter
-    from dflash_train.model.target_identity import describe_target
+    from dflash_train.model.drafter.export.check import check_drafter
+    from dflash_train.model.target.identity import describe_target
 
     out = tmp_path / "run"
     result = train(_config(gemma3_base_dir, documents, out, "eval.num_prompts=2"))

@@ -5,8 +5,8 @@ from types import SimpleNamespace
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from dflash_train.model.config import drafter_config_from_target
-from dflash_train.model.drafter import DFlashDrafter
+from dflash_train.model.drafter.config import drafter_config_from_target
+from dflash_train.model.drafter.backbone import DFlashDrafter
 
 
 def tiny_qwen3_config(vocab=97, layers=4, hidden=64, **kw) -> Qwen3Config:

@@ -9,10 +9,10 @@ import torch
 from dflash_train.cli import main
 from dflash_train.eval.evaluate import eos_token_ids, evaluate, prompt_messages
 from dflash_train.eval.report import HISTOGRAM_PNG, PER_POSITION_PNG
-from dflash_train.model.config import drafter_config_from_target
-from dflash_train.model.drafter import DFlashDrafter
-from dflash_train.model.hf_format import DRAFT_VOCAB, draft_vocab_file, save_zlab
-from dflash_train.model.target import resolve_mask_token_id
+from dflash_train.model.drafter.config import drafter_config_from_target
+from dflash_train.model.drafter.backbone import DFlashDrafter
+from dflash_train.model.drafter.export.hf_format import DRAFT_VOCAB, draft_vocab_file, save_zlab
+from dflash_train.model.target.target import resolve_mask_token_id
 
 PROMPTS = [
     {"conversations": [{"from": "human", "value": "Hi! How are you today?"}]},

@@ -7,10 +7,10 @@ import json
 import torch
 
 from dflash_train.cli import main
-from dflash_train.model.architectures import build_drafter
-from dflash_train.model.config import drafter_config_from_target
-from dflash_train.model.target import resolve_mask_token_id
-from tests.model.test_ecosystem import write_deepspec, write_speculators
+from dflash_train.model.drafter.heads.architectures import build_drafter
+from dflash_train.model.drafter.config import drafter_config_from_target
+from dflash_train.model.target.target import resolve_mask_token_id
+from tests.model.drafter.export.test_ecosystem import write_deepspec, write_speculators
 
 
 def _dspark(target):

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from dflash_train.eval import spec_decode
-from dflash_train.model.architectures import build_drafter
-from dflash_train.model.config import drafter_config_from_target
-from dflash_train.model.hf_format import save_zlab
+from dflash_train.model.drafter.heads.architectures import build_drafter
+from dflash_train.model.drafter.config import drafter_config_from_target
+from dflash_train.model.drafter.export.hf_format import save_zlab
 from tests.eval.eval_helpers import tiny_target
 
 reference = pytest.importorskip("dflash.model", reason="the reference package `dflash` 0.1.0 is not installed")

@@ -11,7 +11,7 @@ from eval_helpers import BigramLM, tiny_drafter, tiny_target
 
 from dflash_train.eval import spec_decode
 from dflash_train.eval.spec_decode import DraftHead, accept_greedy, speculative_generate, target_generate
-from dflash_train.model.scaling import Scaling
+from dflash_train.model.target.scaling import Scaling
 
 
 def _spec(target, drafter, prompt, n, eos=(), block_size=None, temperature=0.0, generator=None):
@@ -22,7 +22,7 @@ def _spec(target, drafter, prompt, n, eos=(), block_size=None, temperature=0.0, 
 
 def from_logits(logits_fn):
     """`draft_block` from a stand-in for the drafter's logits [D, V]: DFlash's independent draw from them."""
-    from dflash_train.model.drafter import DFlashDrafter
+    from dflash_train.model.drafter.backbone import DFlashDrafter
 
     def block(drafter, ctx, anchor, embed_weight, head, block_size, temperature, generator=None):
         logits = logits_fn(drafter, ctx, anchor, embed_weight, head, block_size)
@@ -124,7 +124,7 @@ def test_a_draft_vocabulary_scores_only_its_rows(rows):
 
 
 def test_draft_logits_are_scaled_as_the_targets_before_the_subset_masks_the_rest():
-    """A target's output_multiplier and soft cap apply to the drafter's scores too (model/scaling.py), inside
+    """A target's output_multiplier and soft cap apply to the drafter's scores too (model/target/scaling.py), inside
     a draft vocabulary as over the whole head, and the tokens outside stay -inf (tanh(-inf) would be -cap)."""
     g = torch.Generator().manual_seed(0)
     weight, hidden = torch.randn(50, 8, generator=g), torch.randn(5, 8, generator=g) * 10
@@ -351,8 +351,8 @@ def test_greedy_equals_target_for_every_architecture(qwen3, prompts, arch):
     """DFlash 2's selector chain and DSpark's Markov walk (off their neutral start) stay lossless."""
     import dataclasses
 
-    from dflash_train.model.architectures import build_drafter
-    from dflash_train.model.config import drafter_config_from_target
+    from dflash_train.model.drafter.heads.architectures import build_drafter
+    from dflash_train.model.drafter.config import drafter_config_from_target
 
     cfg = drafter_config_from_target(qwen3.config, num_layers=1, block_size=4, mask_token_id=96, num_taps=2, arch=arch)
     drafter = build_drafter(dataclasses.replace(cfg, selector_rank=8, selector_top_k=4, markov_rank=8)).double()
@@ -373,8 +373,8 @@ def test_a_dspark_drafter_s_full_blocks_are_reported(qwen3, prompts, monkeypatch
     import dataclasses
 
     from dflash_train.eval import evaluate as ev
-    from dflash_train.model.architectures import build_drafter
-    from dflash_train.model.config import drafter_config_from_target
+    from dflash_train.model.drafter.heads.architectures import build_drafter
+    from dflash_train.model.drafter.config import drafter_config_from_target
 
     cfg = drafter_config_from_target(qwen3.config, num_layers=1, block_size=2, mask_token_id=96, num_taps=2,
                                      arch="dspark")

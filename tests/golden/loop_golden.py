@@ -37,7 +37,7 @@ TARGET_INIT_STD = 0.2
 # boundary and the sampler's reshuffle; held-out simulated tau at steps 8 and 16; checkpoints every
 # 6 steps (the resume test). The decay weighting the file was recorded with (the default became D-PACE
 # in session 13; decay keeps the trajectory of sessions 1-12 checkable, D-PACE is checked against a
-# naive loop in tests/train/test_loss.py).
+# naive loop in tests/train/loss/test_loss.py).
 OVERRIDES = (
     "drafter.init_norm_scale=1.0", "optim.lr=0.02", "loss.weighting=decay",
     "target.dtype=float32", "data.train=chitchat", "data.regenerate=false", "data.max_samples=96",

@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository r
 from tests.conftest import _smollm2_hf_dir, save_tiny_qwen3_dir  # noqa: E402
 from tests.golden.loop_golden import TARGET_INIT_STD, golden_config  # noqa: E402
 
-from dflash_train.train import muon  # noqa: E402
+from dflash_train.train.optim import muon  # noqa: E402
 from dflash_train.train.loop import train  # noqa: E402
 
 

@@ -12,7 +12,7 @@ import torch
 def tiny_target_dir(tmp_path_factory) -> Path:
     from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-    from dflash_train.model import target as target_mod
+    from dflash_train.model.target import load as target_mod
 
     cached = target_mod.converted_gguf_dir(*target_mod.resolve_target("smollm2"))
     tokenizer = AutoTokenizer.from_pretrained(cached, local_files_only=True)

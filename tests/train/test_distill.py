@@ -14,11 +14,11 @@ import torch
 from dflash_train.config import LossConfig, RunConfig
 from dflash_train.data.records import Conversation
 from dflash_train.data.regen_taps import TappedSamples, regenerate_with_taps
-from dflash_train.train.batching import MicroBatch
-from dflash_train.train.loss import CE, LossMix, teacher_hidden_at
-from dflash_train.train.taps import FINAL_HIDDEN, StoredRows, TapsSpec, TensorField, target_tensors
+from dflash_train.train.feed.batching import MicroBatch
+from dflash_train.train.loss.objective import CE, LossMix, teacher_hidden_at
+from dflash_train.train.feed.taps import FINAL_HIDDEN, StoredRows, TapsSpec, TensorField, target_tensors
 from dflash_train.validate import config_problems
-from tests.train.test_loss import dflash_block_loss, make_case, naive_loss
+from tests.train.loss.test_loss import dflash_block_loss, make_case, naive_loss
 from tests.train.test_pipeline import env, losses, run
 
 IDS = [1, 3]

@@ -4,7 +4,7 @@ resume equal an uninterrupted D' run's (float tolerance: D and D' sum the same g
 another order and split them into other micro-batch groups).
 
 What may change: the number of drafter ranks, topology.mode, topology.target_ranks,
-train.micro_batch. What may not (train/provenance.py refuses it by name): train.seqs_per_step,
+train.micro_batch. What may not (train/state/provenance.py refuses it by name): train.seqs_per_step,
 train.seed, train.num_anchors, the data, target, tokenizer and drafter (the last four unless
 train.allow_changed)."""
 

@@ -16,9 +16,9 @@ from golden.loop_golden import golden_config
 from safetensors.torch import load_file
 from test_pipeline import env, train_cmd
 
-from dflash_train.train.health import BadStepGuard, FaultPlan, NonFiniteSteps
+from dflash_train.train.watch.health import BadStepGuard, FaultPlan, NonFiniteSteps
 from dflash_train.train.loop import train
-from dflash_train.train.optim import MasterWeightAdamW
+from dflash_train.train.optim.optimizer import MasterWeightAdamW
 from dflash_train.train.step import clip_and_step, health_flags
 
 STEPS, NAN_STEP = 6, 3

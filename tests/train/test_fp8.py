@@ -11,13 +11,13 @@ from torch import nn
 from dflash_train.config import ConfigError, RunConfig
 from dflash_train.overrides import apply_overrides
 from dflash_train.fp8 import fp8_problem
-from dflash_train.model.config import drafter_config_from_target
-from dflash_train.model.drafter import DFlashDrafter
-from dflash_train.model.hf_format import load_zlab, save_zlab
-from dflash_train.model.target import tap_relative_errors
-from dflash_train.train.checkpoint import DrafterState
-from dflash_train.train.optim import MasterWeightAdamW, param_dtype
-from dflash_train.train.parallel import apply_precision, convert_to_fp8, parallelize
+from dflash_train.model.drafter.config import drafter_config_from_target
+from dflash_train.model.drafter.backbone import DFlashDrafter
+from dflash_train.model.drafter.export.hf_format import load_zlab, save_zlab
+from dflash_train.model.target.target import tap_relative_errors
+from dflash_train.train.state.checkpoint import DrafterState
+from dflash_train.train.optim.optimizer import MasterWeightAdamW, param_dtype
+from dflash_train.train.parallel.parallelize import apply_precision, convert_to_fp8, parallelize
 from dflash_train.train.setup import init_drafter
 from dflash_train.validate import precision_problems
 
@@ -156,11 +156,11 @@ def test_master_weight_optimizer_owns_the_float8_weights():
 
 def test_muon_and_float32_sums_own_the_float8_weights():
     """optim.name=muon on a float8 drafter (bf16 parameters, float32 masters): Muon's matrices are the
-    Float8Linear weights themselves, two micro-batches are summed in float32 (train/grads.py), and
+    Float8Linear weights themselves, two micro-batches are summed in float32 (train/optim/grads.py), and
     the step writes every master, rounded, into the module's weights."""
     from dflash_train.config import OptimConfig
-    from dflash_train.train.grads import float32_grads
-    from dflash_train.train.optim import build_optimizer
+    from dflash_train.train.optim.grads import float32_grads
+    from dflash_train.train.optim.optimizer import build_optimizer
     from dflash_train.train.step import clip_and_step
 
     drafter = _drafter()
@@ -269,7 +269,7 @@ def test_init_drafter_on_the_meta_device_sets_every_parameter(tiny_qwen3_target)
 def test_fp8_target_taps_stay_close_to_bf16_taps():
     from tests.conftest import tiny_qwen3
 
-    from dflash_train.model.target import Target
+    from dflash_train.model.target.target import Target
 
     model = tiny_qwen3(512, hidden=128).to("cuda", torch.bfloat16)
     target = Target(model=model, tokenizer=None, name="tiny")
@@ -304,8 +304,8 @@ def _head_problem(device, mix, compiled=False):
     """Per-row losses and d loss / d hidden of one chunked loss, bf16 lm_head vs float8 lm_head, with
     the float32 reference of the same bf16 inputs."""
     from dflash_train.fp8 import float8_head
-    from dflash_train.train.loss import linear_softmax_loss
-    from dflash_train.train.softmax_rows import RowsSpec
+    from dflash_train.train.loss.objective import linear_softmax_loss
+    from dflash_train.train.loss.softmax_rows import RowsSpec
 
     g = torch.Generator().manual_seed(0)
     hidden = (torch.randn(96, 64, generator=g) * 2).to(device, torch.bfloat16)
@@ -331,7 +331,7 @@ def _rel(a, b) -> float:
 def test_float8_lm_head_loss_and_gradient_track_the_exact_ones(kind):
     """Three chunks (40, 40, 16 rows): losses and hidden gradients within float8 rounding of the float32
     reference, and visibly not the bf16 matmul (so the float8 path ran)."""
-    from dflash_train.train.loss import LossMix
+    from dflash_train.train.loss.objective import LossMix
 
     mix = LossMix.from_config(apply_overrides(RunConfig(), [f"loss.kind={kind}"]).loss)
     out = _head_problem(_numerics_device("tensorwise"), mix)
@@ -350,7 +350,7 @@ def test_float8_lm_head_refuses_unaligned_shapes():
 
 @pytest.mark.skipif(NO_FP8_GPU is not None, reason=f"needs an FP8 GPU: {NO_FP8_GPU}")
 def test_float8_lm_head_compiled_equals_eager_on_the_gpu():
-    from dflash_train.train.loss import CE
+    from dflash_train.train.loss.objective import CE
 
     eager, compiled = _head_problem("cuda", CE), _head_problem("cuda", CE, compiled=True)
     assert _rel(compiled["fp8"][0], eager["fp8"][0]) < 0.01 and _rel(compiled["fp8"][1], eager["fp8"][1]) < 0.02

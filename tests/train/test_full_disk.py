@@ -21,10 +21,10 @@ SCRIPT = textwrap.dedent("""
     import json, os, subprocess, sys
     from pathlib import Path
     import torch
-    from dflash_train.model.config import drafter_config_from_target
-    from dflash_train.model.drafter import DFlashDrafter
-    from dflash_train.train.checkpoint import Checkpointer, CheckpointWriteError, DrafterState, TrainProgress
-    from dflash_train.train.optim import MasterWeightAdamW
+    from dflash_train.model.drafter.config import drafter_config_from_target
+    from dflash_train.model.drafter.backbone import DFlashDrafter
+    from dflash_train.train.state.checkpoint import Checkpointer, CheckpointWriteError, DrafterState, TrainProgress
+    from dflash_train.train.optim.optimizer import MasterWeightAdamW
     from transformers import Qwen3Config
 
     disk = Path(sys.argv[1])

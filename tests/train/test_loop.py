@@ -1,7 +1,7 @@
 import torch
 import torch.distributed as dist
 
-from dflash_train.model.config import DrafterConfig
+from dflash_train.model.drafter.config import DrafterConfig
 from dflash_train.train import loop
 from dflash_train.train.step import StepContext
 
@@ -15,7 +15,7 @@ def _ctx(num_drafters: int) -> StepContext:
 
 
 def test_agree_min_of_a_world_of_one_is_its_own_value(tmp_path):
-    """The drafter ranks' smallest value (the time budget's step count, train/optim.py TimeBudget)."""
+    """The drafter ranks' smallest value (the time budget's step count, train/optim/optimizer.py TimeBudget)."""
     assert loop._agree_min(7, _ctx(1)) == 7
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
     try:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train.model.architectures import HEADS
+from dflash_train.model.drafter.heads.architectures import HEADS
 
 pytestmark = pytest.mark.slow
 

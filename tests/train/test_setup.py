@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from dflash_train.overrides import apply_overrides
-from dflash_train.model.target_subset import TargetSubset
+from dflash_train.model.target.subset import TargetSubset
 from dflash_train.recipes import tiny
 from dflash_train.train.setup import target_subset
-from dflash_train.train.topology import Topology
+from dflash_train.train.parallel.topology import Topology
 
 
 def _cfg(*overrides: str):
@@ -64,7 +64,7 @@ def _tiny_target(config_name: str, model_name: str, tokenizer, **kwargs):
     import torch
     import transformers
 
-    from dflash_train.model.target import Target
+    from dflash_train.model.target.target import Target
 
     torch.manual_seed(0)
     cfg = getattr(transformers, config_name)(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
@@ -75,8 +75,8 @@ def _tiny_target(config_name: str, model_name: str, tokenizer, **kwargs):
 
 def test_a_target_with_scaled_logits_trains_against_the_logits_it_is_served_with(smollm2_tokenizer):
     """Gemma 3 scales its embeddings, Cohere its logits (logit_scale): both drafter configs carry the
-    factor, and the training loss's transform is Cohere's multiplier (its math: tests/train/test_loss.py)."""
-    from dflash_train.model.logits import LogitTransform
+    factor, and the training loss's transform is Cohere's multiplier (its math: tests/train/loss/test_loss.py)."""
+    from dflash_train.model.target.logits import LogitTransform
     from dflash_train.train.setup import build_drafter_config
 
     cfg = _cfg("drafter.num_taps=1")
@@ -91,8 +91,8 @@ def test_init_from_target_copies_the_factor_a_norm_applies(smollm2_tokenizer):
     """Gemma's norms multiply by 1 + w: the drafter's `x * w` norms start from that factor (`norm_factor`)."""
     import torch
 
-    from dflash_train.model.config import drafter_config_from_target
-    from dflash_train.model.target import norm_factor
+    from dflash_train.model.drafter.config import drafter_config_from_target
+    from dflash_train.model.target.target import norm_factor
     from dflash_train.train.setup import init_drafter
 
     gemma = _tiny_target("Gemma3TextConfig", "Gemma3ForCausalLM", smollm2_tokenizer, sliding_window=8)

@@ -4,10 +4,10 @@ train_step changes and what it leaves alone."""
 import pytest
 import torch
 
-from dflash_train.model.config import drafter_config_from_target
-from dflash_train.model.drafter import DFlashDrafter
-from dflash_train.model.target import Target
-from dflash_train.train.batching import MicroBatch
+from dflash_train.model.drafter.config import drafter_config_from_target
+from dflash_train.model.drafter.backbone import DFlashDrafter
+from dflash_train.model.target.target import Target
+from dflash_train.train.feed.batching import MicroBatch
 from dflash_train.train.step import StepContext, clip_and_step, train_step
 from tests.conftest import tiny_qwen3
 

@@ -1,0 +1,91 @@
+"""The simulated decode walk against real speculative decoding: in float64, on the text the real loop
+produced, the walk must reproduce the loop's accepted count at every step."""
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dflash_train.eval.spec_decode import speculative_generate
+from dflash_train.model.drafter.heads.architectures import build_drafter
+from dflash_train.model.drafter.config import drafter_config_from_target
+from dflash_train.model.drafter.backbone import DFlashDrafter
+from dflash_train.model.target.target import Target
+from dflash_train.train.watch.simulate import accepted_walk, simulated_walks, simulator
+from dflash_train.train.step import StepContext
+
+LIKELY = [3, 5, 7]  # the only tokens with a large lm_head row: drafts are right about a third of the time
+
+
+def _peaked_target() -> Target:
+    """A tiny random float64 Qwen3 whose lm_head favours three tokens, so its greedy text and a random
+    drafter's guesses share them and acceptance varies from step to step (0 to B-1)."""
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, vocab_size=97, tie_word_embeddings=False,
+                      attn_implementation="eager")
+    model = Qwen3ForCausalLM(cfg).to(torch.float64).eval().requires_grad_(False)
+    head = model.get_output_embeddings().weight
+    head.mul_(0.01)
+    head[LIKELY] *= 300.0
+    return Target(model=model, tokenizer=None, name="peaked")
+
+
+def _drafter(target: Target, block_size: int, arch: str = "dflash") -> DFlashDrafter:
+    cfg = drafter_config_from_target(target.config, num_layers=1, block_size=block_size, mask_token_id=96, num_taps=2,
+                                     arch=arch)
+    drafter = build_drafter(dataclasses.replace(cfg, selector_rank=8, selector_top_k=4, markov_rank=8)).to(torch.float64)
+    drafter.reset_parameters(std=0.2, generator=torch.Generator().manual_seed(1))
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():  # the previous-token heads off their neutral start, so they steer the drafts
+        for name, p in drafter.named_parameters():
+            if any(k in name for k in ("codebook", "markov_w1", "hidden_projection")):
+                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
+            if "markov_w2" in name:  # a bias that picks among the likely tokens by the previous one
+                p[LIKELY] = torch.randn(len(LIKELY), p.shape[1], generator=gen, dtype=p.dtype) * 3.0
+    return drafter.eval()
+
+
+def _ctx(target: Target, drafter: DFlashDrafter) -> StepContext:
+    return StepContext(embed_weight=target.embed_weight, lm_head_weight=target.lm_head_weight, drafter=drafter.config,
+                       gamma=1.0, chunk_tokens=256, backend="sdpa", device=torch.device("cpu"), autocast_dtype=None,
+                       head=drafter)
+
+
+def test_accepted_walk_by_hand():
+    anchors, accepted = [4, 5, 6, 7, 8, 9], [2, 0, 1, 3, 0, 1]
+    assert accepted_walk(anchors, accepted, start=4) == [2, 3]  # 4 -> 7 -> 11 (no anchor: stop)
+    assert accepted_walk(anchors, accepted, start=5) == [0, 1, 0, 1]  # 5 -> 6 -> 8 -> 9 -> 11
+    assert accepted_walk(anchors, accepted, start=20) == []
+
+
+WITHOUT_5 = torch.tensor([i for i in range(97) if i != 5])  # a draft vocabulary without a likely token
+
+
+@pytest.mark.parametrize("block_size,draft_vocab,arch", [(3, None, "dflash"), (4, None, "dflash"),
+                                                         (4, WITHOUT_5, "dflash"), (4, None, "dflash2"),
+                                                         (4, WITHOUT_5, "dflash2"), (4, None, "dspark")])
+def test_walk_reproduces_real_speculative_decoding(block_size, draft_vocab, arch):
+    """Also with a draft vocabulary: the walk must draft over it as the loop does (over the full
+    head the walk would propose token 5 where the loop cannot); and for the architectures whose
+    drafts depend on the previous token (the walk teacher-forces it, the loop feeds its own drafts:
+    equal along every accepted run)."""
+    target = _peaked_target()
+    drafter = _drafter(target, block_size, arch)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 90, (1, n), generator=g) for n in (6, 9, 13)]
+    real = [speculative_generate(target.model, drafter, target.embed_weight, target.lm_head_weight,
+                                 drafter.config.target_layer_ids, p, 40, [], draft_vocab=draft_vocab) for p in prompts]
+    steps = [a for r in real for a in r.accepted]
+    assert len(set(steps)) >= (2 if arch == "dspark" else 3), f"the test needs uneven acceptance, got {steps}"
+    pairs = [(p[0].tolist(), r.tokens) for p, r in zip(prompts, real)]
+    walks, per_anchor = simulated_walks(drafter, target, _ctx(target, drafter), pairs, draft_vocab)
+    for walk, r in zip(walks, real):
+        # the last real step may have accepted drafts past the text's end, which the walk cannot see
+        assert walk[:-1] == r.accepted[:-1] and len(walk) == len(r.accepted)
+        assert walk[-1] <= r.accepted[-1]
+    figures = simulator(drafter, target, _ctx(target, drafter), draft_vocab)(pairs)
+    walk_steps = [a for w in walks for a in w]
+    assert figures["sim_tau"] == pytest.approx(sum(a + 1 for a in walk_steps) / len(walk_steps))
+    assert figures["sim_tau_anchors"] == pytest.approx(per_anchor) and 1.0 <= per_anchor <= block_size + 1
