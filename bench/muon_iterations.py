@@ -28,7 +28,8 @@ import torch  # noqa: E402
 
 from bench import _common as C  # noqa: E402
 from bench.flops import PAPER, SMALL, drafter_matrix_shapes  # noqa: E402
-from dflash_train.train.optim.muon import (TORCH_COEFFICIENTS, gram_orthogonalise, ns_flops, orthogonalise, uses_gram)  # noqa: E402
+from dflash_train.train.optim.muon import (TORCH_COEFFICIENTS, gram_orthogonalise, ns_flops,  # noqa: E402
+                                           orthogonalise, uses_gram)
 
 FORMS = ("newton_schulz", "gram")
 KINDS = ("gaussian", "decades3", "rank32_noise")

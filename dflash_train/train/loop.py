@@ -39,7 +39,8 @@ from dflash_train.train.watch.health import BadStepGuard, CompileHealthWatch, Fa
 from dflash_train.train.loss.objective import LossMix, LossStats, summarize
 from dflash_train.train.watch.metrics import MetricsLog, TokenInterval, fmt_values
 from dflash_train.train.optim.optimizer import TimeBudget, build_optimizer, param_dtype
-from dflash_train.train.parallel.parallelize import parallelize, resolve_backend, resolve_compile, use_shared_compile_cache
+from dflash_train.train.parallel.parallelize import (parallelize, resolve_backend, resolve_compile,
+                                                     use_shared_compile_cache)
 from dflash_train.train.state.provenance import Provenance, check_ranks_agree, fingerprints, layout_of
 from dflash_train.train.feed.sources import CollateArgs, Feed, TapsSource, TargetServer, build_source
 from dflash_train.train.watch.simulate import simulated_tau, simulator

@@ -40,7 +40,8 @@ from dataclasses import dataclass, fields
 import torch
 
 from dflash_train.model.drafter.backbone import LossTerms
-from dflash_train.train.loss.row_weights import (WEIGHTINGS, RowWeights, dpace_weights, position_weights, slot_weights)  # noqa: F401 - re-exported
+from dflash_train.train.loss.row_weights import (WEIGHTINGS, RowWeights, dpace_weights,  # noqa: F401 - re-exported
+                                                 position_weights, slot_weights)
 from dflash_train.train.loss.softmax_rows import CE, LossMix, RowsSpec, linear_softmax_loss  # noqa: F401 - re-exported
 
 

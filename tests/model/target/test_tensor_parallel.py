@@ -14,7 +14,8 @@ from transformers import (LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCa
                           Qwen3MoeForCausalLM)
 
 from dflash_train.model.target.target import Target, tap_relative_errors
-from dflash_train.model.target.tensor_parallel import check_tp_divisible, group_mesh, shard_target, split_plan, tp_plan_of
+from dflash_train.model.target.tensor_parallel import (check_tp_divisible, group_mesh, shard_target, split_plan,
+                                                       tp_plan_of)
 
 from tests.model.drafter.heads.test_architectures import ARCHS as OTHER_ARCHS, SMALL
 

@@ -13,7 +13,8 @@ import torch
 
 from dflash_train.atomic import atomic_dir
 from dflash_train.model.drafter.backbone import DFlashDrafter
-from dflash_train.model.drafter.export.hf_format import EXPORT_WHAT, is_export, refuse_non_finite, write_export_marker, zlab_files
+from dflash_train.model.drafter.export.hf_format import (EXPORT_WHAT, is_export, refuse_non_finite, write_export_marker,
+                                                         zlab_files)
 from dflash_train.model.drafter.export.check import ServingContractError, check_drafter
 from dflash_train.model.drafter.export.serve import engine_notes
 from dflash_train.model.target.identity import describe_target
