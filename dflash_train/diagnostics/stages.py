@@ -207,7 +207,7 @@ def stage_target(params: dict) -> dict:
     try:  # local: imports torch; a broken or partial install is a FAIL that says so, not a crash
         from dflash_train.model.target.load import load_target
     except ImportError as e:
-        return result("FAIL", f"cannot import dflash_train.model.target.target.load_target: {e}",
+        return result("FAIL", f"cannot import dflash_train.model.target.load.load_target: {e}",
                       "this dflash-train install is incomplete or broken; reinstall the package")
     r = target_throughput(load_target, params["target"], params["device"], bool(params.get("quick")))
     figure = (f"{params['target']} on {params['device']}: {r['tokens_per_s']:,.0f} tokens/s tapped forward "

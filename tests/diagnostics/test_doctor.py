@@ -144,13 +144,13 @@ def test_plan_per_device_and_p2p():
 
 
 def test_target_stage_names_a_missing_loader(monkeypatch):
-    import dflash_train.model.target.target as target_mod
+    import dflash_train.model.target.load as target_mod
     from dflash_train.diagnostics.stages import stage_target
 
     monkeypatch.delattr(target_mod, "load_target")
     outcome = stage_target({"target": "smollm2", "device": "cpu"})
     assert outcome["status"] == "FAIL"
-    assert "cannot import dflash_train.model.target.target.load_target" in outcome["figure"]
+    assert "cannot import dflash_train.model.target.load.load_target" in outcome["figure"]
 
 
 def test_a_raising_stage_is_a_fail_that_names_the_error(monkeypatch):

@@ -12,7 +12,7 @@ import time
 from dflash_train import cli
 from dflash_train.train.state import run_lock
 
-HOLDER = ("import sys, time; from dflash_train.train import run_lock; "
+HOLDER = ("import sys, time; from dflash_train.train.state import run_lock; "
           "lock = run_lock.held(sys.argv[1]); lock.__enter__(); print('held', flush=True); time.sleep(120)")
 
 
