@@ -316,6 +316,14 @@ class EvalConfig:
     auto: where the drafter directory has a draft_vocab.json (the tokens of its training softmax), the same
     prompts are decoded again over it and those figures are reported beside; full: the headline only;
     subset: the draft vocabulary as the headline (lossless, a cheaper drafter lm_head, no engine serves it)."""
+    near_tie_gap: float = 0.5
+    """Greedy decoding in reduced precision (bf16/fp16/fp8 target): a speculative output that leaves plain greedy
+    decoding is accepted only when, at its first divergence, the verify pass's top-2 logit gap is under this
+    (an explained near-tie: the batched verify and the one-token step round differently); a larger gap fails the
+    eval as a bug. bf16 logits of 8 to 32 are spaced 0.06 to 0.125 apart and each of the target's layers rounds
+    the two forwards differently: a few spacings. eval/lossless.py."""
+    near_tie_gap_float32: float = 1e-3
+    """The same rule for a float32 target, whose two forwards differ by ~1e-5 in a logit: only a true tie."""
 
 
 @dataclass(frozen=True, kw_only=True)

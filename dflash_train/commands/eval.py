@@ -60,7 +60,8 @@ def run(cfg) -> str:
                                 temperature=e.temperature, thinking=cfg.data.thinking, block_size=e.block_size,
                                 seed=cfg.train.seed, out_dir=e.out_dir, progress=e.progress,
                                 simulate=simulate and (lambda v: simulate(v)),
-                                text_prompt_tokens=cfg.data.text_prompt_tokens)
+                                text_prompt_tokens=cfg.data.text_prompt_tokens, near_tie_gap=cfg.eval.near_tie_gap,
+                                near_tie_gap_float32=cfg.eval.near_tie_gap_float32)
     _print_report(report, e.temperature)
     overall = report["overall"]
     return (f"tau={overall['tau']:.3f} speedup={overall['speedup']:.2f}x ({overall['num_prompts']} prompts, "

@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from dflash_train.config import DataConfig
+from dflash_train.config import DataConfig, EvalConfig
 from dflash_train.data.conversations import prompt_messages, render_chat
 from dflash_train.data.text import split_point
+from dflash_train.eval import lossless
 from dflash_train.eval import report as rep
 from dflash_train.eval.spec_decode import DraftHead, GenResult, SpecResult, speculative_generate, target_generate
 from dflash_train.model.drafter import DFlashDrafter
@@ -172,7 +173,9 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
              max_new_tokens: int = 128, temperature: float = 0.0, thinking: bool | None = None,
              block_size: int | None = None, seed: int = 0, out_dir: str | Path | None = None,
              progress: bool = True, warmup: bool = True, heartbeat=None, simulate=None,
-             draft_vocab: torch.Tensor | None = None, text_prompt_tokens: int = DataConfig.text_prompt_tokens) -> dict:
+             draft_vocab: torch.Tensor | None = None, text_prompt_tokens: int = DataConfig.text_prompt_tokens,
+             near_tie_gap: float = EvalConfig.near_tie_gap,
+             near_tie_gap_float32: float = EvalConfig.near_tie_gap_float32) -> dict:
     """Real speculative decoding vs plain target decoding on each prompt set (`heartbeat(stage)`, e.g.
     the watchdog's beat, is called after every prompt).
 
@@ -184,7 +187,9 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
     decode walk, "sim_tau_anchors": per anchor}; `train/simulate.py`), kept in the set's figures: the
     train/serve check (a gap means the decode loop and training disagree). `draft_vocab` [V'] restricts
     the drafts to those token ids (spec_decode.DraftHead; the output is the same). Text sets' documents
-    are cut after `text_prompt_tokens` tokens (`data.text_prompt_tokens`).
+    are cut after `text_prompt_tokens` tokens (`data.text_prompt_tokens`). Greedy outputs that leave plain
+    decoding other than at an explained near-tie (`eval/lossless.py`, `near_tie_gap*`) raise `LosslessError`
+    after the report is written.
     """
     check_compatible(drafter, target)
     block_size = block_size or drafter.config.block_size
@@ -220,10 +225,14 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
     cfg = drafter.config
     report["drafter"] = {"num_layers": cfg.num_layers, "block_size": cfg.block_size,
                          "target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id}
+    tol = lossless.tolerance(target.dtype, near_tie_gap, near_tie_gap_float32)
+    verdict = lossless.check(results, tol, temperature)
+    lossless.apply(report, verdict, tol)
     if out_dir is not None:
         out = Path(out_dir)
         report["plots"] = [str(p) for p in rep.plot(report["sets"], out)]
         report["report"] = str(rep.write_json(report, out))
+    lossless.raise_on_failures(verdict, report.get("report"))  # the evidence is on disk first
     return report
 
 
