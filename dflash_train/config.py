@@ -316,6 +316,11 @@ class EvalConfig:
     auto: where the drafter directory has a draft_vocab.json (the tokens of its training softmax), the same
     prompts are decoded again over it and those figures are reported beside; full: the headline only;
     subset: the draft vocabulary as the headline (lossless, a cheaper drafter lm_head, no engine serves it)."""
+    decoder: Literal["auto", "static", "dynamic"] = "auto"
+    """How both loops decode. static: fixed-shape caches, the state on the device, one host read per cycle, CUDA
+    graphs on a GPU (eval/static_decode.py: as an engine decodes; greedy, full-attention targets); dynamic: eager HF
+    with a DynamicCache (eval/spec_decode.py; also what static falls back to, saying why); auto: static on CUDA,
+    dynamic on the CPU (where the padded fixed shapes buy nothing: no launches to save)."""
     near_tie_gap: float = 0.5
     """Greedy decoding in reduced precision (bf16/fp16/fp8 target): a speculative output that leaves plain greedy
     decoding is accepted only when, at its first divergence, the verify pass's top-2 logit gap is under this

@@ -33,6 +33,7 @@ from dflash_train.data.text import split_point
 from dflash_train.eval import lossless
 from dflash_train.eval import report as rep
 from dflash_train.eval.spec_decode import DraftHead, GenResult, SpecResult, speculative_generate, target_generate
+from dflash_train.eval.static_decode import StaticDecoder, static_reason
 from dflash_train.model.drafter import DFlashDrafter
 from dflash_train.model.hf_format import DRAFT_VOCAB, load_draft_vocab
 
@@ -137,12 +138,28 @@ def subset_note(figures: dict) -> str | None:
 def _decode_both(drafter, target, ids: torch.Tensor, opts: dict, seed: int) -> tuple[SpecResult, GenResult]:
     """Speculative and plain decoding of one prompt, each from its own generator of the same seed."""
     device = ids.device
+    if opts.get("static") is not None:
+        return (opts["static"].speculative(ids, opts["max_new_tokens"], opts["eos"]),
+                opts["static"].plain(ids, opts["max_new_tokens"], opts["eos"]))
     spec = speculative_generate(target.model, drafter, target.embed_weight, opts["draft_head"],
                                 drafter.config.target_layer_ids, ids, opts["max_new_tokens"], opts["eos"],
                                 opts["temperature"], _generator(device, seed), opts["block_size"])
     plain = target_generate(target.model, ids, opts["max_new_tokens"], opts["eos"], opts["temperature"],
                             _generator(device, seed))
     return spec, plain
+
+
+def _static_decoder(setting: str, drafter, target, opts: dict) -> tuple[StaticDecoder | None, str]:
+    """The fixed-shape decoder where `eval.decoder` asks for it and the pair allows it, and what decodes."""
+    use = setting == "static" or (setting == "auto" and target.embed_weight.device.type == "cuda")
+    if not use:
+        return None, f"dynamic (eval.decoder={setting})"
+    reason = static_reason(target.model, drafter, opts["temperature"])
+    if reason is not None:
+        return None, f"dynamic: {reason}"
+    decoder = StaticDecoder(target.model, drafter, target.embed_weight, opts["draft_head"],
+                            drafter.config.target_layer_ids, opts["block_size"], opts["max_new_tokens"])
+    return decoder, "static (CUDA graphs)" if decoder.use_graph else "static (eager)"
 
 
 def _run_sets(drafter, target, encoded: dict[str, list[torch.Tensor]], opts: dict, seed: int,
@@ -175,7 +192,8 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
              progress: bool = True, warmup: bool = True, heartbeat=None, simulate=None,
              draft_vocab: torch.Tensor | None = None, text_prompt_tokens: int = DataConfig.text_prompt_tokens,
              near_tie_gap: float = EvalConfig.near_tie_gap,
-             near_tie_gap_float32: float = EvalConfig.near_tie_gap_float32) -> dict:
+             near_tie_gap_float32: float = EvalConfig.near_tie_gap_float32,
+             decoder: str = EvalConfig.decoder) -> dict:
     """Real speculative decoding vs plain target decoding on each prompt set (`heartbeat(stage)`, e.g.
     the watchdog's beat, is called after every prompt).
 
@@ -189,7 +207,7 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
     the drafts to those token ids (spec_decode.DraftHead; the output is the same). Text sets' documents
     are cut after `text_prompt_tokens` tokens (`data.text_prompt_tokens`). Greedy outputs that leave plain
     decoding other than at an explained near-tie (`eval/lossless.py`, `near_tie_gap*`) raise `LosslessError`
-    after the report is written.
+    after the report is written. `decoder` (`eval.decoder`) picks the fixed-shape loops or the dynamic ones.
     """
     check_compatible(drafter, target)
     block_size = block_size or drafter.config.block_size
@@ -201,6 +219,7 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
         raise ValueError("no prompts to evaluate")
     opts = {"max_new_tokens": max_new_tokens, "eos": eos, "temperature": temperature, "block_size": block_size,
             "draft_head": DraftHead.of(target.lm_head_weight, draft_vocab, drafter.config.scaling)}
+    opts["static"], decoder_note = _static_decoder(decoder, drafter, target, opts)
     was_training = drafter.training
     drafter.eval()
     try:
@@ -219,6 +238,7 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
             # text at a near-tie, and acceptance on another text would not compare
             report["sets"][name].update(simulate([(ids[0].tolist(), r.tokens) for ids, r in
                                                   zip(encoded[name], spec)]))
+    report["decoder"] = decoder_note
     report["target"], report["device"] = getattr(target, "name", "?"), str(device)
     report["dtype"] = str(target.dtype).removeprefix("torch.")  # bf16 may flip near-tie greedy tokens
     report["draft_vocab"] = int(draft_vocab.numel()) if draft_vocab is not None else None  # None: the whole lm_head

@@ -437,7 +437,8 @@ def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log, he
                                     thinking=cfg.data.thinking, seed=cfg.train.seed, out_dir=out_dir / "eval",
                                     heartbeat=heartbeat, simulate=lambda v: simulator(drafter, target, ctx, v),
                                     text_prompt_tokens=cfg.data.text_prompt_tokens, near_tie_gap=cfg.eval.near_tie_gap,
-                                    near_tie_gap_float32=cfg.eval.near_tie_gap_float32)
+                                    near_tie_gap_float32=cfg.eval.near_tie_gap_float32, decoder=cfg.eval.decoder)
+    log(f"eval: decoded by the {report['decoder']} loops")
     for name, figures in report["sets"].items():
         log(f"eval [{name}]: tau {figures['tau']:.3f} (simulated on the same text {figures['sim_tau']:.3f}: "
             f"{figures['sim_tau'] / figures['tau'] - 1:+.0%}; per anchor {figures['sim_tau_anchors']:.3f}), "
