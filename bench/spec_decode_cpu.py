@@ -173,7 +173,7 @@ def ab_eval(args, bench: Bench) -> str:
     totals: dict[str, list[dict]] = {dtype: [] for dtype in arms}
     for r in range(args.rounds):
         for dtype, (target, drafter) in arms.items():
-            report = evaluate(drafter, target, sets, max_new_tokens=64, progress=False, warmup=r == 0)
+            report = evaluate(drafter, target, sets, max_new_tokens=64, progress=False, warmup=r == 0, dtype="target")
             totals[dtype].append(report)
             for name, f in report["sets"].items():
                 bench.log(f"round {r} {dtype} {name}: tau {f['tau']:.3f} speedup {f['speedup']:.3f}x cycle "

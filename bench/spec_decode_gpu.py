@@ -50,7 +50,7 @@ def main() -> None:
     for r in range(args.rounds):
         for decoder in ("static", "dynamic"):
             report = evaluate(drafter, target, sets, max_new_tokens=args.max_new_tokens, progress=False,
-                              decoder=decoder)
+                              decoder=decoder, dtype="target")
             o = report["overall"]
             row = {"round": r, "decoder": report["decoder"], "tau": o["tau"], "spec_tok_s": o["spec_tokens_per_s"],
                    "target_tok_s": o["target_tokens_per_s"], "speedup": o["speedup"],

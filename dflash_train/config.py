@@ -321,6 +321,10 @@ class EvalConfig:
     graphs on a GPU (eval/static_decode.py: as an engine decodes; greedy, full-attention targets); dynamic: eager HF
     with a DynamicCache (eval/spec_decode.py; also what static falls back to, saying why); auto: static on CUDA,
     dynamic on the CPU (where the padded fixed shapes buy nothing: no launches to save)."""
+    dtype: Literal["auto", "target", "bfloat16", "float32", "float16"] = "auto"
+    """The precision both decoders run in (a cast copy of the target and drafter where it differs). auto: bfloat16 on a
+    CPU with bf16 units (oneDNN: AVX-512 BF16, AMX) for a float32 target, where it cut a cycle from 1.96 to 1.39
+    plain steps (docs/PERF.md section 6); elsewhere the target's dtype. target: always the target's dtype."""
     near_tie_gap: float = 0.5
     """Greedy decoding in reduced precision (bf16/fp16/fp8 target): a speculative output that leaves plain greedy
     decoding is accepted only when, at its first divergence, the verify pass's top-2 logit gap is under this

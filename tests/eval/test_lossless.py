@@ -30,7 +30,7 @@ def _steer_verify(model, extra: float):
 def _evaluate(target, tmp_path):
     drafter = tiny_drafter(target.config, block_size=2, mask_token_id=0, dtype=torch.float32, std=0.02)
     return evaluate(drafter, target, {"chat": [MESSAGES]}, max_new_tokens=6, out_dir=tmp_path, progress=False,
-                    warmup=False)
+                    warmup=False, dtype="target")  # float32: the float32 tolerance
 
 
 @pytest.mark.slow
@@ -75,3 +75,19 @@ def test_the_verdict_reads_the_gap_at_the_first_divergence_only():
     assert "prompt 2 position 2" in verdict.failures[1]
     assert lossless.check({"s": ([far], [plain])}, 0.5, 0.7).failures == []  # sampled: no reference
     assert lossless.tolerance(torch.bfloat16) == 0.5 and lossless.tolerance(torch.float32) == 1e-3
+
+
+def test_the_eval_dtype_auto_is_bf16_only_on_a_cpu_with_bf16_units(smollm2_target):
+    from dflash_train.eval import precision
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    expected = torch.bfloat16 if precision.cpu_has_bf16() else torch.float32
+    assert precision.resolve("auto", torch.float32, cpu) == expected
+    assert precision.resolve("auto", torch.float64, cpu) == torch.float64  # a test's exact target stays exact
+    assert precision.resolve("auto", torch.bfloat16, cuda) == torch.bfloat16
+    assert precision.resolve("target", torch.float32, cpu) == torch.float32
+    drafter = tiny_drafter(smollm2_target.config, block_size=2, mask_token_id=0, dtype=torch.float32)
+    target, cast = precision.cast_pair(smollm2_target, drafter, torch.bfloat16)
+    assert target.dtype == torch.bfloat16 and next(cast.parameters()).dtype == torch.bfloat16
+    assert smollm2_target.dtype == torch.float32 and next(drafter.parameters()).dtype == torch.float32  # copies
+    assert precision.cast_pair(smollm2_target, drafter, torch.float32) == (smollm2_target, drafter)

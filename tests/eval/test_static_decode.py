@@ -113,9 +113,9 @@ def test_evaluate_through_the_static_decoder_says_so_and_matches(smollm2_target,
     drafter = _drafter(smollm2_target.model, "dflash", 4, dtype=torch.float32)
     sets = {"chat": [[{"role": "user", "content": "Name three colours of the rainbow."}]]}
     static = evaluate(drafter, smollm2_target, sets, max_new_tokens=12, progress=False, warmup=False,
-                      decoder="static")
+                      decoder="static", dtype="target")
     dynamic = evaluate(drafter, smollm2_target, sets, max_new_tokens=12, progress=False, warmup=False,
-                       decoder="dynamic")
+                       decoder="dynamic", dtype="target")
     assert static["decoder"] == "static (eager)" and dynamic["decoder"].startswith("dynamic")
     for report in (static, dynamic):
         assert report["overall"]["identical_outputs"] == 1 and report["overall"]["cycle_plain_steps"] > 0
