@@ -118,8 +118,8 @@ def lossless_note(figures: dict, float32: bool, temperature: float) -> str | Non
     if differ == 0 or temperature > 0:
         return None
     why = ("a true tie in float32" if float32 else
-           "the batched verify forward and the one-token step round differently in reduced precision; a float32 "
-           "target (train: target.dtype=float32, eval: --dtype float32) gives identical outputs")
+           "the batched verify forward and the one-token step round differently in reduced precision; decoding "
+           "in float32 (eval.dtype=float32) gives identical outputs")
     return (f"{differ} of {figures['num_prompts']} outputs leave plain greedy decoding at a near-tie (the verify "
             f"pass's top-2 logit gap at the first divergence <= {figures.get('near_tie_max_gap', 0.0):.3g}): {why}")
 
