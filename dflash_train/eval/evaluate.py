@@ -158,12 +158,22 @@ def _decode_sets(drafter, target, encoded: dict, settings: dict, seed: int, prog
     opts = {**settings, "dtype": dtype,
             "draft_head": DraftHead.of(target.lm_head_weight, draft_vocab, drafter.config.scaling)}
     opts["static"], opts["decoder_note"] = _static_decoder(decoder, drafter, target, opts)
-    if warmup:
-        first = next(iter(encoded.values()))[0]
-        _decode_both(drafter, target, first, opts, seed)
+    if warmup:  # the first prompt; with the fixed-shape decoder, one of each length bucket (its graphs' capture)
+        for ids in _warm_up_prompts(encoded, opts["static"]):
+            _decode_both(drafter, target, ids, opts, seed)
     t0 = time.perf_counter()
     results = _run_sets(drafter, target, encoded, opts, seed, progress, heartbeat)
     return results, opts, time.perf_counter() - t0
+
+
+def _warm_up_prompts(encoded: dict, static: StaticDecoder | None) -> list[torch.Tensor]:
+    prompts = [ids for set_prompts in encoded.values() for ids in set_prompts]
+    if static is None:
+        return prompts[:1]
+    firsts = {}
+    for ids in prompts:
+        firsts.setdefault(static.bucket_of(ids.shape[1]), ids)
+    return list(firsts.values())
 
 
 def _static_decoder(setting: str, drafter, target, opts: dict) -> tuple[StaticDecoder | None, str]:

@@ -85,8 +85,12 @@ class StaticDecoder:
 
     # -- buffers ---------------------------------------------------------------------------------
 
+    def bucket_of(self, prompt_len: int) -> int:
+        """The cache length a prompt of this many tokens decodes in (one set of buffers and graphs each)."""
+        return bucket_length(prompt_len + self.max_new + self.width)
+
     def _fit(self, prompt_len: int) -> _Bucket:
-        length = bucket_length(prompt_len + self.max_new + self.width)
+        length = self.bucket_of(prompt_len)
         if length not in self.buckets:
             from transformers import StaticCache
 

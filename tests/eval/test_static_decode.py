@@ -63,6 +63,20 @@ def test_every_head_decodes_as_the_dynamic_loop(qwen3, prompts, arch):
             assert decoder.plain(prompt, 24, []).tokens == plain.tokens
 
 
+def test_a_draft_vocabulary_drafts_as_in_the_dynamic_loop(qwen3, prompts):
+    drafter = _drafter(qwen3, "dspark", 4)
+    vocab = torch.arange(0, 97, 2)  # every other token
+    head = DraftHead.of(qwen3.get_output_embeddings().weight, vocab, drafter.config.scaling)
+    decoder = StaticDecoder(qwen3, drafter, qwen3.get_input_embeddings().weight, head,
+                            drafter.config.target_layer_ids, 4, 24)
+    for prompt in prompts:
+        dynamic = speculative_generate(qwen3, drafter, qwen3.get_input_embeddings().weight,
+                                       qwen3.get_output_embeddings().weight, drafter.config.target_layer_ids,
+                                       prompt, 24, [], draft_vocab=vocab)
+        static = decoder.speculative(prompt, 24, [])
+        assert static.tokens == dynamic.tokens and static.accepted == dynamic.accepted
+
+
 def test_a_windowed_causal_drafter_and_eos_stop_as_the_dynamic_loop(qwen3, prompts):
     drafter = _drafter(qwen3, "dflash", 4, layer_types=("sliding_attention", "full_attention"), sliding_window=6,
                        window_causal=True)
@@ -120,3 +134,44 @@ def test_evaluate_through_the_static_decoder_says_so_and_matches(smollm2_target,
     for report in (static, dynamic):
         assert report["overall"]["identical_outputs"] == 1 and report["overall"]["cycle_plain_steps"] > 0
     assert static["overall"]["spec_tokens"] == dynamic["overall"]["spec_tokens"]
+
+
+@pytest.mark.parametrize("arch", ["dflash", "dspark"])
+def test_accepted_runs_rewind_and_extend_the_context_as_the_dynamic_loop(qwen3, prompts, arch, monkeypatch):
+    """Drafts steered to the target's own greedy text (three of every four positions), so cycles accept
+    0..D tokens: the outputs, the accepted counts and the real drafter's own drafts before steering (which
+    read the context buffers the accepted runs extended) agree with the dynamic loop, cycle by cycle."""
+    from dflash_train.eval import spec_decode, static_decode
+
+    drafter, n = _drafter(qwen3, arch, 4), 30
+    real_block, real_draft = spec_decode.draft_block, static_decode.StaticDecoder._draft
+    for prompt in prompts:
+        truth = torch.tensor(target_generate(qwen3, prompt, n + 8, []).tokens)
+        p = prompt.shape[1]
+
+        def steer(drafts, first_out):  # output index of each draft -> the truth, or a wrong token every 4th
+            idx = first_out + torch.arange(drafts.shape[0])
+            right = truth[idx.clamp(max=truth.numel() - 1)]
+            return torch.where(idx % 4 == 3, (right + 1) % 97, right)
+
+        seen = {"static": [], "dynamic": []}
+
+        def dynamic_block(d, ctx, anchor, *args, **kwargs):
+            drafts, q = real_block(d, ctx, anchor, *args, **kwargs)
+            seen["dynamic"].append(drafts.tolist())
+            return steer(drafts, ctx.length - p + 1), q
+
+        def static_draft(self):
+            drafts = real_draft(self)
+            seen["static"].append(drafts.tolist())
+            return steer(drafts, self.first_out)
+
+        monkeypatch.setattr(spec_decode, "draft_block", dynamic_block)
+        monkeypatch.setattr(static_decode.StaticDecoder, "_draft", static_draft)
+        dynamic = speculative_generate(qwen3, drafter, qwen3.get_input_embeddings().weight,
+                                       qwen3.get_output_embeddings().weight, drafter.config.target_layer_ids,
+                                       prompt, n, [])
+        static = _decoder(qwen3, drafter, 4, n).speculative(prompt, n, [])
+        assert static.tokens == dynamic.tokens == truth[:n].tolist()
+        assert static.accepted == dynamic.accepted and max(static.accepted) >= 2
+        assert seen["static"] == seen["dynamic"]
