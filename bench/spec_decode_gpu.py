@@ -14,9 +14,10 @@ steps and 6 sets x 24 prompts in <= 60 s on an H200.
 from __future__ import annotations
 
 import argparse
-import json
 
 import torch
+
+from bench._common import Bench
 
 from dflash_train.eval.evaluate import evaluate
 from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
@@ -35,34 +36,41 @@ def _drafter(args, target) -> DFlashDrafter:
     return drafter.eval()
 
 
-def main() -> None:
+def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--drafter"), p.add_argument("--target", default="smollm2")
     p.add_argument("--prompts", default="assistant,chitchat"), p.add_argument("--num-prompts", type=int, default=24)
     p.add_argument("--max-new-tokens", type=int, default=64), p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rounds", type=int, default=2), p.add_argument("--json")
+    p.add_argument("--small", action="store_true", help="a CPU smoke run: 1 chit-chat prompt, 8 tokens, float32")
     args = p.parse_args()
+    if args.small:
+        args.prompts, args.num_prompts, args.max_new_tokens, args.rounds = "chitchat", 1, 8, 1
+        args.dtype, args.device = "float32", "cpu"
+    bench = Bench("spec_decode_gpu", args)
+    bench.info.update(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu")
     target = load_target(args.target, dtype=getattr(torch, args.dtype), device=args.device)
     drafter = _drafter(args, target)
     sets = load_prompt_sets(args.prompts, args.num_prompts, SetContext(target=target))
-    rows = []
+    cycles: dict[str, list[float]] = {"static": [], "dynamic": []}
     for r in range(args.rounds):
         for decoder in ("static", "dynamic"):
             report = evaluate(drafter, target, sets, max_new_tokens=args.max_new_tokens, progress=False,
                               decoder=decoder, dtype="target")
             o = report["overall"]
-            row = {"round": r, "decoder": report["decoder"], "tau": o["tau"], "spec_tok_s": o["spec_tokens_per_s"],
-                   "target_tok_s": o["target_tokens_per_s"], "speedup": o["speedup"],
-                   "cycle_plain_steps": o["cycle_plain_steps"], "wall_s": report["wall_seconds"],
-                   "near_ties": o["near_ties"], "identical": o["identical_outputs"], "prompts": o["num_prompts"]}
-            rows.append(row)
-            print(" ".join(f"{k}={v:.3f}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-                       "rows": rows}, f, indent=2)
+            cycles[decoder].append(o["cycle_plain_steps"])
+            bench.log(f"round {r} {report['decoder']}: tau {o['tau']:.3f}, spec {o['spec_tokens_per_s']:.1f} tok/s, "
+                      f"target {o['target_tokens_per_s']:.1f} tok/s, speedup {o['speedup']:.3f}x, cycle "
+                      f"{o['cycle_plain_steps']:.3f} plain steps, eval {report['wall_seconds']:.1f} s, near-ties "
+                      f"{o['near_ties']}, identical {o['identical_outputs']}/{o['num_prompts']}")
+            for key in ("tau", "speedup", "spec_tokens_per_s", "target_tokens_per_s", "cycle_plain_steps"):
+                bench.figure(f"{decoder}_r{r}_{key}", float(o[key]))
+            bench.figure(f"{decoder}_r{r}_wall_s", float(report["wall_seconds"]))
+    static, dynamic = (min(cycles[k]) for k in ("static", "dynamic"))
+    return bench.finish(f"a cycle costs {static:.2f} plain steps in the fixed-shape loops, {dynamic:.2f} in the "
+                        "dynamic ones (issue 37: <= 1.5)", args.json)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())
