@@ -178,7 +178,7 @@ class StaticDecoder:
         self._append_context(taps)
         self.out[0].copy_(acc)
         self.out[1:].copy_(argmax)
-        self.anchor.copy_(argmax[acc].reshape(1))
+        self.anchor.copy_(argmax.gather(0, acc.reshape(1)))  # a gather: indexing by a 0-d tensor reads it on the host
         self.length.add_(acc + 1)
         self.first_out.add_(acc + 1)
 

@@ -183,7 +183,7 @@ class DFlash2Drafter(DFlashDrafter):
                 q = torch.softmax(scores.double() / temperature, dim=-1)
                 pick = torch.multinomial(q, 1, generator=generator)[0]
                 qs.append(torch.zeros(logits.shape[-1], dtype=q.dtype, device=q.device).scatter(0, cand[i], q))
-            prev = cand[i, pick].reshape(1)
+            prev = cand[i].gather(0, pick.reshape(1))  # not cand[i, pick]: a 0-d index is read on the host
             tokens.append(prev)
         return torch.cat(tokens), (torch.stack(qs) if qs else None)
 
