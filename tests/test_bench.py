@@ -33,6 +33,8 @@ CASES = {
     "target_prefill_moe": ([sys.executable, "bench/target_prefill.py", "--arch", "qwen3-moe"],
                            ["tokens_per_s", "mfu", "target_active_params_b"]),
     "regenerate": ([sys.executable, "bench/regenerate.py"], ["graph_new_tok_s", "dynamic_new_tok_s"]),
+    "spec_decode_gpu": ([sys.executable, "bench/spec_decode_gpu.py"], ["static_r0_cycle_plain_steps",
+                                                                      "dynamic_r0_cycle_plain_steps"]),
     "flex_tune": ([sys.executable, "bench/flex_tune.py", "--reps", "2"], ["variant0_ms"]),
     "pipeline": (TORCHRUN + ["bench/pipeline.py"],
                  ["tokens_per_s", "drafter_busy_fraction", "target_busy_fraction", "drafter_capacity_tok_s",

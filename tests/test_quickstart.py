@@ -33,8 +33,9 @@ def test_tiny_recipe_runs_end_to_end_on_smollm2(tmp_path):
     assert all("draft_vocab_figures" in figures for figures in report["sets"].values())
     for checkpoint in (out / "checkpoints").glob("step_*"):  # so that a checkpoint exports the same
         assert json.loads((checkpoint / "drafter" / "draft_vocab.json").read_text())["ids"] == vocab
-    for figures in report["sets"].values():  # greedy on a float32 target: speculation must be lossless
-        assert figures["num_prompts"] == 2 and figures["identical_outputs"] == 2, figures
+    for figures in report["sets"].values():  # greedy: lossless, identical or (eval.dtype=auto decodes in bf16 on
+        # a CPU with bf16 units) apart only at explained near-ties; anything else fails the eval
+        assert figures["num_prompts"] == 2 and figures["identical_outputs"] + figures["near_ties"] == 2, figures
         assert 1.0 <= figures["sim_tau"] <= config["block_size"], figures  # the train/serve check ran
     assert "simulated on the same text" in proc.stdout
     assert "a draft+verify cycle costs" in proc.stdout  # the cycle in plain decode steps, per set

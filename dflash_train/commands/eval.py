@@ -60,7 +60,9 @@ def run(cfg) -> str:
                                 temperature=e.temperature, thinking=cfg.data.thinking, block_size=e.block_size,
                                 seed=cfg.train.seed, out_dir=e.out_dir, progress=e.progress,
                                 simulate=simulate and (lambda v: simulate(v)),
-                                text_prompt_tokens=cfg.data.text_prompt_tokens)
+                                text_prompt_tokens=cfg.data.text_prompt_tokens, near_tie_gap=cfg.eval.near_tie_gap,
+                                near_tie_gap_float32=cfg.eval.near_tie_gap_float32, decoder=cfg.eval.decoder,
+                                dtype=cfg.eval.dtype)
     _print_report(report, e.temperature)
     overall = report["overall"]
     return (f"tau={overall['tau']:.3f} speedup={overall['speedup']:.2f}x ({overall['num_prompts']} prompts, "
@@ -94,6 +96,8 @@ def _print_report(report: dict, temperature: float) -> None:
     from dflash_train.eval.report import lossless_note, summary_table
 
     print(summary_table({**report["sets"], "overall": report["overall"]}), flush=True)
+    print(f"eval: decoded by the {report['decoder']} loops in {report['dtype']}; a draft+verify cycle costs "
+          f"{report['overall']['cycle_plain_steps']:.2f} plain steps", flush=True)
     for name, figures in report["sets"].items():
         for note in (subset_note(figures), lossless_note(figures, report["dtype"] == "float32", temperature)):
             if note:

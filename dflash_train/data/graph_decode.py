@@ -76,6 +76,69 @@ def draw(logits: torch.Tensor, warpers: LogitsProcessorList) -> torch.Tensor:
     return (probs / torch.empty_like(probs).exponential_()).argmax(-1)
 
 
+def bucket_length(need: int) -> int:
+    """`need` cache slots rounded up to the length bucket: one cache and one graph per bucket."""
+    return -(-need // LENGTH_BUCKET) * LENGTH_BUCKET
+
+
+class CapturedStep:
+    """A step over fixed buffers, replayed as a CUDA graph: the first call runs it eagerly on a side
+    stream (the warm-up capture asks for; its results are that call's), then records it, and every later
+    call replays the recording. `step` must read and write only tensors whose addresses stay fixed and
+    must not sync with the host. `use_graph=False` (a CPU) runs it eagerly every time; a capture that
+    fails (e.g. a forward that syncs with the host) says so once, naming `what`, and runs eagerly after."""
+
+    def __init__(self, step, use_graph: bool, what: str):
+        self.step, self.use_graph, self.what = step, use_graph, what
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        if not self.use_graph:
+            self.step()
+            return
+        self._warm_up()  # this call's results, computed eagerly
+        try:
+            self.graph = self._capture()
+        except RuntimeError as e:
+            self.use_graph = False
+            cause = e.__context__ or e  # the op that broke the capture, not "failed due to a previous error"
+            print(f"{self.what}: CUDA graph capture of the decode step failed ({str(cause).splitlines()[0]}); "
+                  "decoding eagerly at the fixed shape", flush=True)
+
+    def _warm_up(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.step()
+        torch.cuda.current_stream().wait_stream(side)
+
+    def _capture(self) -> torch.cuda.CUDAGraph:
+        """Records the step (nothing runs: the warm-up computed this call; each replay is the next)."""
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
+        try:
+            with torch.cuda.graph(graph):
+                self.step()
+        except RuntimeError:
+            torch.cuda.set_stream(stream)  # a failed capture_end leaves the capture stream current
+            torch.cuda.synchronize()
+            raise
+        return graph
+
+
+@contextlib.contextmanager
+def decode_attention(model):
+    """The model attends with `grouped_query_decode` inside (one-token steps; longer queries: SDPA)."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(DECODE_ATTENTION)
+    try:
+        yield
+    finally:
+        model.set_attn_implementation(previous)
+
+
 def supports(model) -> bool:
     """Plain single-device targets whose every layer attends to the whole cache."""
     text = getattr(model.config, "text_config", None) or model.config
@@ -104,38 +167,33 @@ class GraphDecoder:
         self.masked = torch.finfo(self.dtype).min
         self.tok = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
+        self.runner: CapturedStep | None = None
         self.cache_len = 0  # set per length bucket by `_fit`, with the cache, the mask and the graph
 
     def _fit(self, need: int) -> None:
         """A cache (and mask buffer, and graph) of `need` slots rounded up to the bucket."""
-        length = -(-need // LENGTH_BUCKET) * LENGTH_BUCKET
+        length = bucket_length(need)
         if length == self.cache_len:
             return
+        if self.runner is not None and not self.runner.use_graph:
+            self.use_graph = False  # a capture failed once: the next bucket's would too
         # the old bucket's memory goes first; `out` holds the step's results at the graph's fixed addresses
-        self.graph, self.cache, self.out = None, None, {}
+        self.runner, self.cache, self.out = None, None, {}
         self.cache = StaticCache(config=self.model.config, max_cache_len=length)
         self.mask = torch.full((self.batch, 1, 1, length), self.masked, dtype=self.dtype, device=self.tok.device)
         self.cache_len = length
+        self.runner = CapturedStep(self._step, self.use_graph, "regenerate")
 
     def pick(self, logits: torch.Tensor) -> torch.Tensor:
         """The next token of each row from its logits [b, V]: the argmax, or a sampled draw."""
         return logits.argmax(-1) if self.warpers is None else draw(logits, self.warpers)
-
-    @contextlib.contextmanager
-    def _decode_attention(self):
-        previous = self.model.config._attn_implementation
-        self.model.set_attn_implementation(DECODE_ATTENTION)
-        try:
-            yield
-        finally:
-            self.model.set_attn_implementation(previous)
 
     def _forward(self, ids, mask, positions):
         return self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                           output_hidden_states=True, logits_to_keep=1, **{self.cache_arg: self.cache})
 
     def _step(self) -> None:
-        with self._decode_attention():  # what runs at capture is what every replay runs
+        with decode_attention(self.model):  # what runs at capture is what every replay runs
             out = self._forward(self.tok, self.mask, self.pos)
         results = {name: t[:, 0] for name, t in self.select(out.hidden_states).items()}  # name -> [b, width]
         results["next"] = self.pick(out.logits[:, -1])
@@ -146,40 +204,7 @@ class GraphDecoder:
                 self.out[name] = t.clone()
 
     def _run_step(self) -> None:
-        if self.graph is not None:
-            self.graph.replay()
-            return
-        if not self.use_graph:
-            self._step()
-            return
-        self._warm_up()  # this step's results, computed eagerly
-        try:
-            self.graph = self._capture()
-        except RuntimeError as e:  # e.g. a target whose forward syncs with the host (data-dependent routing)
-            self.use_graph = False
-            cause = e.__context__ or e  # the op that broke the capture, not "failed due to a previous error"
-            print(f"regenerate: CUDA graph capture of the decode step failed ({str(cause).splitlines()[0]}); "
-                  "decoding eagerly at the fixed shape", flush=True)
-
-    def _warm_up(self) -> None:
-        """The step on a side stream, as graph capture asks (its results are this step's)."""
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self._step()
-        torch.cuda.current_stream().wait_stream(side)
-
-    def _capture(self) -> torch.cuda.CUDAGraph:
-        """Records the step (nothing runs: the warm-up computed this step; each replay is the next)."""
-        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.current_stream()
-        try:
-            with torch.cuda.graph(graph):
-                self._step()
-        except RuntimeError:
-            torch.cuda.set_stream(stream)  # a failed capture_end leaves the capture stream current
-            torch.cuda.synchronize()
-            raise
-        return graph
+        self.runner()  # a method of its own: bench/regenerate.py times it
 
     def _prefill(self, prompts: list[list[int]]) -> tuple[dict[str, torch.Tensor], torch.Tensor, int]:
         """Writes the left-padded prompts into the cache; returns ({name: [B, width, D]}, first

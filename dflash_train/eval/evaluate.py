@@ -27,11 +27,13 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from dflash_train.config import DataConfig
+from dflash_train.config import DataConfig, EvalConfig
 from dflash_train.data.conversations import prompt_messages, render_chat
 from dflash_train.data.text import split_point
+from dflash_train.eval import lossless, precision
 from dflash_train.eval import report as rep
 from dflash_train.eval.spec_decode import DraftHead, GenResult, SpecResult, speculative_generate, target_generate
+from dflash_train.eval.static_decode import StaticDecoder, static_reason
 from dflash_train.model.drafter.backbone import DFlashDrafter
 from dflash_train.model.drafter.export.hf_format import DRAFT_VOCAB, load_draft_vocab
 
@@ -136,12 +138,55 @@ def subset_note(figures: dict) -> str | None:
 def _decode_both(drafter, target, ids: torch.Tensor, opts: dict, seed: int) -> tuple[SpecResult, GenResult]:
     """Speculative and plain decoding of one prompt, each from its own generator of the same seed."""
     device = ids.device
+    if opts.get("static") is not None:
+        return (opts["static"].speculative(ids, opts["max_new_tokens"], opts["eos"]),
+                opts["static"].plain(ids, opts["max_new_tokens"], opts["eos"]))
     spec = speculative_generate(target.model, drafter, target.embed_weight, opts["draft_head"],
                                 drafter.config.target_layer_ids, ids, opts["max_new_tokens"], opts["eos"],
                                 opts["temperature"], _generator(device, seed), opts["block_size"])
     plain = target_generate(target.model, ids, opts["max_new_tokens"], opts["eos"], opts["temperature"],
                             _generator(device, seed))
     return spec, plain
+
+
+def _decode_sets(drafter, target, encoded: dict, settings: dict, seed: int, progress: bool, warmup: bool,
+                 heartbeat) -> tuple[dict, dict, float]:
+    """Every set decoded both ways in the eval's dtype and decoder: (results, the options used, seconds)."""
+    dtype = precision.resolve(settings.pop("dtype"), target.dtype, target.embed_weight.device)
+    target, drafter = precision.cast_pair(target, drafter, dtype)
+    draft_vocab, decoder = settings.pop("draft_vocab"), settings.pop("decoder")
+    opts = {**settings, "dtype": dtype,
+            "draft_head": DraftHead.of(target.lm_head_weight, draft_vocab, drafter.config.scaling)}
+    opts["static"], opts["decoder_note"] = _static_decoder(decoder, drafter, target, opts)
+    if warmup:  # the first prompt; with the fixed-shape decoder, one of each length bucket (its graphs' capture)
+        for ids in _warm_up_prompts(encoded, opts["static"]):
+            _decode_both(drafter, target, ids, opts, seed)
+    t0 = time.perf_counter()
+    results = _run_sets(drafter, target, encoded, opts, seed, progress, heartbeat)
+    return results, opts, time.perf_counter() - t0
+
+
+def _warm_up_prompts(encoded: dict, static: StaticDecoder | None) -> list[torch.Tensor]:
+    prompts = [ids for set_prompts in encoded.values() for ids in set_prompts]
+    if static is None:
+        return prompts[:1]
+    firsts = {}
+    for ids in prompts:
+        firsts.setdefault(static.bucket_of(ids.shape[1]), ids)
+    return list(firsts.values())
+
+
+def _static_decoder(setting: str, drafter, target, opts: dict) -> tuple[StaticDecoder | None, str]:
+    """The fixed-shape decoder where `eval.decoder` asks for it and the pair allows it, and what decodes."""
+    use = setting == "static" or (setting == "auto" and target.embed_weight.device.type == "cuda")
+    if not use:
+        return None, f"dynamic (eval.decoder={setting})"
+    reason = static_reason(target.model, drafter, opts["temperature"])
+    if reason is not None:
+        return None, f"dynamic: {reason}"
+    decoder = StaticDecoder(target.model, drafter, target.embed_weight, opts["draft_head"],
+                            drafter.config.target_layer_ids, opts["block_size"], opts["max_new_tokens"])
+    return decoder, "static (CUDA graphs)" if decoder.use_graph else "static (eager)"
 
 
 def _run_sets(drafter, target, encoded: dict[str, list[torch.Tensor]], opts: dict, seed: int,
@@ -172,7 +217,10 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
              max_new_tokens: int = 128, temperature: float = 0.0, thinking: bool | None = None,
              block_size: int | None = None, seed: int = 0, out_dir: str | Path | None = None,
              progress: bool = True, warmup: bool = True, heartbeat=None, simulate=None,
-             draft_vocab: torch.Tensor | None = None, text_prompt_tokens: int = DataConfig.text_prompt_tokens) -> dict:
+             draft_vocab: torch.Tensor | None = None, text_prompt_tokens: int = DataConfig.text_prompt_tokens,
+             near_tie_gap: float = EvalConfig.near_tie_gap,
+             near_tie_gap_float32: float = EvalConfig.near_tie_gap_float32,
+             decoder: str = EvalConfig.decoder, dtype: str = EvalConfig.dtype) -> dict:
     """Real speculative decoding vs plain target decoding on each prompt set (`heartbeat(stage)`, e.g.
     the watchdog's beat, is called after every prompt).
 
@@ -184,7 +232,10 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
     decode walk, "sim_tau_anchors": per anchor}; `train/watch/simulate.py`), kept in the set's figures: the
     train/serve check (a gap means the decode loop and training disagree). `draft_vocab` [V'] restricts
     the drafts to those token ids (spec_decode.DraftHead; the output is the same). Text sets' documents
-    are cut after `text_prompt_tokens` tokens (`data.text_prompt_tokens`).
+    are cut after `text_prompt_tokens` tokens (`data.text_prompt_tokens`). Greedy outputs that leave plain
+    decoding other than at an explained near-tie (`eval/lossless.py`, `near_tie_gap*`) raise `LosslessError`
+    after the report is written. `decoder` (`eval.decoder`) picks the fixed-shape loops or the dynamic ones;
+    `dtype` (`eval.dtype`) the precision both decode in (`eval/precision.py`: a cast copy where it differs).
     """
     check_compatible(drafter, target)
     block_size = block_size or drafter.config.block_size
@@ -194,36 +245,36 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
                for name, prompts in prompt_sets.items() if prompts}
     if not encoded:
         raise ValueError("no prompts to evaluate")
-    opts = {"max_new_tokens": max_new_tokens, "eos": eos, "temperature": temperature, "block_size": block_size,
-            "draft_head": DraftHead.of(target.lm_head_weight, draft_vocab, drafter.config.scaling)}
     was_training = drafter.training
     drafter.eval()
     try:
-        if warmup:
-            first = next(iter(encoded.values()))[0]
-            _decode_both(drafter, target, first, opts, seed)
-        t0 = time.perf_counter()
-        results = _run_sets(drafter, target, encoded, opts, seed, progress, heartbeat)
+        results, opts, seconds = _decode_sets(drafter, target, encoded, dict(
+            max_new_tokens=max_new_tokens, eos=eos, temperature=temperature, block_size=block_size,
+            draft_vocab=draft_vocab, decoder=decoder, dtype=dtype), seed, progress, warmup, heartbeat)
     finally:
         drafter.train(was_training)
-    report = _assemble(results, block_size, drafter.drafted(block_size), opts, thinking, seed,
-                       time.perf_counter() - t0)
+    report = _assemble(results, block_size, drafter.drafted(block_size), opts, thinking, seed, seconds)
     if simulate is not None:  # the train/serve check: simulated acceptance on the text just decoded
         for name, (spec, _) in results.items():
             # the speculative output, on which real tau was measured: in bf16 it can leave plain greedy's
             # text at a near-tie, and acceptance on another text would not compare
             report["sets"][name].update(simulate([(ids[0].tolist(), r.tokens) for ids, r in
                                                   zip(encoded[name], spec)]))
+    report["decoder"] = opts["decoder_note"]
     report["target"], report["device"] = getattr(target, "name", "?"), str(device)
-    report["dtype"] = str(target.dtype).removeprefix("torch.")  # bf16 may flip near-tie greedy tokens
+    report["dtype"] = str(opts["dtype"]).removeprefix("torch.")  # the decoders'; bf16 may flip near-tie tokens
     report["draft_vocab"] = int(draft_vocab.numel()) if draft_vocab is not None else None  # None: the whole lm_head
     cfg = drafter.config
     report["drafter"] = {"num_layers": cfg.num_layers, "block_size": cfg.block_size,
                          "target_layer_ids": list(cfg.target_layer_ids), "mask_token_id": cfg.mask_token_id}
+    tol = lossless.tolerance(opts["dtype"], near_tie_gap, near_tie_gap_float32)
+    verdict = lossless.check(results, tol, temperature)
+    lossless.apply(report, verdict, tol)
     if out_dir is not None:
         out = Path(out_dir)
         report["plots"] = [str(p) for p in rep.plot(report["sets"], out)]
         report["report"] = str(rep.write_json(report, out))
+    lossless.raise_on_failures(verdict, report.get("report"))  # the evidence is on disk first
     return report
 
 

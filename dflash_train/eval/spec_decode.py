@@ -65,6 +65,9 @@ class SpecResult:
     seconds: float
     """Wall time of prefill + all steps (device synchronised)."""
     stopped_by_eos: bool
+    gaps: list[float] | None = None
+    """Greedy: per emitted token, the top-2 logit gap of the target row it was taken from (token 0: the
+    prefill's last row; then the verify pass's rows), read once after the timed loop (eval/lossless.py)."""
 
     @property
     def tau(self) -> float:
@@ -176,6 +179,12 @@ def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator |
     if temperature <= 0:
         return logits.argmax(-1)
     return _sample(_probs(logits, temperature), generator)
+
+
+def top2_gap(logits: torch.Tensor) -> torch.Tensor:
+    """Per row of logits [n, V], top-1 minus top-2 logit [n] in float32: how near the argmax was a tie."""
+    top = logits.float().topk(2, dim=-1).values
+    return top[:, 0] - top[:, 1]
 
 
 def _finish(tokens: list[int], max_new_tokens: int, eos: set[int]) -> tuple[list[int], bool]:
@@ -365,8 +374,9 @@ def accept_sampled(draft: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
 
 def _spec_step(target_model, drafter: DFlashDrafter, state: DecodeState, anchor: int, embed_weight: torch.Tensor,
                head: "torch.Tensor | DraftHead", layer_ids, block_size: int, temperature: float,
-               generator) -> tuple[int, list[int]]:
-    """One draft + verify step; returns (acc, the acc + 1 emitted tokens)."""
+               generator) -> tuple[int, list[int], torch.Tensor | None]:
+    """One draft + verify step; returns (acc, the acc + 1 emitted tokens, greedy: their verify rows' top-2
+    gaps [acc + 1] left on the device)."""
     start, device = state.ctx.length, embed_weight.device
     assert state.cache.get_seq_length() == start, "target and drafter caches out of step"
     # the mode sees every torch call (~3 us each on this CPU): only where it reroutes anything
@@ -374,13 +384,15 @@ def _spec_step(target_model, drafter: DFlashDrafter, state: DecodeState, anchor:
         draft, q = draft_block(drafter, state.ctx, anchor, embed_weight, head, block_size, temperature, generator)
         draft = draft.to(device)  # [D]
         t_logits, taps = _target_forward(target_model, verify_block(anchor, draft), state.cache, taps=layer_ids)
+        gaps = None
         if q is None:
             acc, nxt = accept_greedy(draft, t_logits[0])
+            gaps = top2_gap(t_logits[0, :acc + 1])
         else:
             acc, nxt = accept_sampled(draft, q.to(device), _probs(t_logits[0], temperature), generator)
         crop_cache(state.cache, start + acc + 1)  # keep the anchor and the accepted drafts
         _append_taps(state.ctx, drafter, taps[:, : acc + 1])
-    return acc, draft[:acc].tolist() + [nxt]
+    return acc, draft[:acc].tolist() + [nxt], gaps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,19 +417,24 @@ def speculative_generate(target_model, drafter: DFlashDrafter, embed_weight: tor
     t0 = time.perf_counter()
     tokens: list[int] = []
     accepted: list[int] = []
+    gaps: list[torch.Tensor] = []
     if max_new_tokens > 0:
         state, logits = prefill(target_model, drafter, prompt_ids, layer_ids)
         tokens.append(int(_pick(logits, temperature, generator)))
+        gaps.append(top2_gap(logits))
         new = 1
         while not _done(tokens, new, max_new_tokens, eos):
-            acc, emitted = _spec_step(target_model, drafter, state, tokens[-1], embed_weight, head,
-                                      layer_ids, block_size, temperature, generator)
+            acc, emitted, step_gaps = _spec_step(target_model, drafter, state, tokens[-1], embed_weight, head,
+                                                 layer_ids, block_size, temperature, generator)
             accepted.append(acc)
             tokens.extend(emitted)
+            gaps.append(step_gaps)
             new = len(emitted)
     tokens, by_eos = _finish(tokens, max_new_tokens, eos)
     _sync(device)
-    return SpecResult(tokens, accepted, block_size, time.perf_counter() - t0, by_eos)
+    seconds = time.perf_counter() - t0
+    greedy_gaps = torch.cat(gaps)[:len(tokens)].tolist() if temperature <= 0 and gaps else None
+    return SpecResult(tokens, accepted, block_size, seconds, by_eos, greedy_gaps)
 
 
 @torch.no_grad()

@@ -438,14 +438,17 @@ def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log, he
                                     vocab, max_new_tokens=cfg.eval.max_new_tokens, temperature=cfg.eval.temperature,
                                     thinking=cfg.data.thinking, seed=cfg.train.seed, out_dir=out_dir / "eval",
                                     heartbeat=heartbeat, simulate=lambda v: simulator(drafter, target, ctx, v),
-                                    text_prompt_tokens=cfg.data.text_prompt_tokens)
+                                    text_prompt_tokens=cfg.data.text_prompt_tokens, near_tie_gap=cfg.eval.near_tie_gap,
+                                    near_tie_gap_float32=cfg.eval.near_tie_gap_float32, decoder=cfg.eval.decoder,
+                                    dtype=cfg.eval.dtype)
+    log(f"eval: decoded by the {report['decoder']} loops in {report['dtype']} (eval.dtype={cfg.eval.dtype})")
     for name, figures in report["sets"].items():
         log(f"eval [{name}]: tau {figures['tau']:.3f} (simulated on the same text {figures['sim_tau']:.3f}: "
             f"{figures['sim_tau'] / figures['tau'] - 1:+.0%}; per anchor {figures['sim_tau_anchors']:.3f}), "
             f"speedup {figures['speedup']:.2f}x "
             f"(a draft+verify cycle costs {figures['cycle_plain_steps']:.2f} plain steps), "
             f"{figures['identical_outputs']}/{figures['num_prompts']} outputs identical to plain greedy")
-        for note in (subset_note(figures), lossless_note(figures, target.dtype == torch.float32, cfg.eval.temperature)):
+        for note in (subset_note(figures), lossless_note(figures, report["dtype"] == "float32", cfg.eval.temperature)):
             if note:
                 log(f"eval [{name}]: {note}")
     return {"eval": report["sets"], "report": str(out_dir / "eval" / "report.json")}

@@ -73,8 +73,8 @@ def test_a_failed_graph_capture_falls_back_to_eager_steps_loudly(smollm2_target,
     """A target whose decode step cannot be captured (a host sync inside) still decodes, and says so."""
     def refuse(self):
         raise RuntimeError("operation not permitted when stream is capturing")
-    monkeypatch.setattr(graph_decode.GraphDecoder, "_warm_up", graph_decode.GraphDecoder._step)  # no CUDA here
-    monkeypatch.setattr(graph_decode.GraphDecoder, "_capture", refuse)
+    monkeypatch.setattr(graph_decode.CapturedStep, "_warm_up", lambda self: self.step())  # no CUDA here
+    monkeypatch.setattr(graph_decode.CapturedStep, "_capture", refuse)
     real_init = graph_decode.GraphDecoder.__init__
 
     def init_with_graph(self, *args, **kwargs):

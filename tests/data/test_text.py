@@ -174,7 +174,7 @@ def test_a_base_gemma3_trains_exports_checks_and_evaluates_on_text(gemma3_base_d
     from dflash_train.model.target.identity import describe_target
 
     out = tmp_path / "run"
-    result = train(_config(gemma3_base_dir, documents, out, "eval.num_prompts=2"))
+    result = train(_config(gemma3_base_dir, documents, out, "eval.num_prompts=2", "eval.dtype=target"))
     printed = capsys.readouterr().out
     assert "data: plain-text continuations (data.format=text: the tokenizer has no chat template" in printed
     exported = json.loads((out / "drafter" / "config.json").read_text())["dflash_config"]
@@ -188,7 +188,7 @@ def test_a_base_gemma3_trains_exports_checks_and_evaluates_on_text(gemma3_base_d
     assert "eval [prose]: tau" in printed
     # the eval command picks the text sets for this target by itself too
     assert cli.main(["eval", "--drafter", str(out / "drafter"), "--target", str(gemma3_base_dir), "--num-prompts", "1",
-                     "--max-new-tokens", "8", "--out", str(tmp_path / "eval"), "--no-progress", "--dtype", "float32",
+                     "--max-new-tokens", "8", "--out", str(tmp_path / "eval"), "--no-progress", "--dtype", "float32", "eval.dtype=target",
                      "--prompts", "prose"]) == 0
     printed = capsys.readouterr().out
     assert "data.format=text" in printed and json.loads((tmp_path / "eval" / "report.json").read_text())["sets"]["prose"]

@@ -195,7 +195,7 @@ class DFlashDrafter(nn.Module):
         rows [T, H]. logits_fn(rows [n, H], bias=None) -> [n, V]."""
         return logits_fn(rows.reshape(-1, rows.shape[-1])).argmax(-1).view(rows.shape[:-1])
 
-    def propose(self, rows: torch.Tensor, anchor: int, logits_fn, temperature: float, generator=None,
+    def propose(self, rows: torch.Tensor, anchor: "int | torch.Tensor", logits_fn, temperature: float, generator=None,
                 embed=None):
         """Draft one block from its drafting rows [D, H] after `anchor`: (tokens [D], q [D, V] the
         distribution each token was drawn from, None when greedy)."""
@@ -264,6 +264,14 @@ class DFlashDrafter(nn.Module):
             masks[SLIDING] = inference_mask(cache.length, block_embeds.shape[1], self.config.sliding_window,
                                             block_embeds.device, causal=self.config.window_causal)
         return self.run_layers(block_embeds, cache.kv, block_positions, masks, backend, block_embeds.shape[1])
+
+
+def anchor_ids(anchor, device) -> torch.Tensor:
+    """The anchor as ids [1] on `device`: a Python int, or a device tensor (the fixed-shape eval decoder
+    keeps it on the device, where a CUDA graph reads it at every replay)."""
+    if isinstance(anchor, torch.Tensor):
+        return anchor.reshape(1).to(device)
+    return torch.tensor([anchor], device=device)
 
 
 def drafted_rows(hidden: torch.Tensor, block_size: int, offset: int = 1, count: int | None = None) -> torch.Tensor:

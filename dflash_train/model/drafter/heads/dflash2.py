@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dflash_train.model.drafter.backbone import DFlashDecoderLayer, DFlashDrafter
+from dflash_train.model.drafter.backbone import DFlashDecoderLayer, DFlashDrafter, anchor_ids
 from dflash_train.model.drafter.shape import DrafterShape
 from dflash_train.model.drafter.head import SGLANG, VLLM, Engine, Export, Head, must_be_positive
 
@@ -167,13 +167,13 @@ class DFlash2Drafter(DFlashDrafter):
         scores = scores + unary.to(scores.dtype)
         return cand.gather(1, scores.argmax(-1, keepdim=True)).squeeze(1).view(prev.shape)
 
-    def propose(self, rows, anchor: int, logits_fn, temperature: float, generator=None, embed=None):
+    def propose(self, rows, anchor: "int | torch.Tensor", logits_fn, temperature: float, generator=None, embed=None):
         """The selector's chain from the anchor (module doc); q: the k-way distribution each token
         was drawn from, scattered onto the vocabulary (zero outside the candidates)."""
         logits = logits_fn(rows)  # [D, V]
         unary, cand = logits.topk(self.candidate_selector.top_k, dim=-1)  # [D, k]
         tokens, qs = [], []
-        prev = torch.tensor([anchor], device=cand.device)
+        prev = anchor_ids(anchor, cand.device)
         for i in range(rows.shape[0]):
             pair = self.candidate_selector.pair_scores(rows[i:i + 1], prev.to(rows.device), cand[i:i + 1].to(rows.device))
             scores = unary[i].to(pair.dtype) + pair[0].to(unary.device)
@@ -183,7 +183,7 @@ class DFlash2Drafter(DFlashDrafter):
                 q = torch.softmax(scores.double() / temperature, dim=-1)
                 pick = torch.multinomial(q, 1, generator=generator)[0]
                 qs.append(torch.zeros(logits.shape[-1], dtype=q.dtype, device=q.device).scatter(0, cand[i], q))
-            prev = cand[i, pick].reshape(1)
+            prev = cand[i].gather(0, pick.reshape(1))  # not cand[i, pick]: a 0-d index is read on the host
             tokens.append(prev)
         return torch.cat(tokens), (torch.stack(qs) if qs else None)
 

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from dflash_train.model.drafter.backbone import DFlashDrafter, as_blocks
+from dflash_train.model.drafter.backbone import DFlashDrafter, anchor_ids, as_blocks
 from dflash_train.model.drafter.shape import DrafterShape
 from dflash_train.model.drafter.head import SGLANG, VLLM, Engine, Export, Head, must_be_positive
 
@@ -117,7 +117,7 @@ class DominoDrafter(DFlashDrafter):
         bias = self.embed_proj[2](latent)  # [M*D, V]
         return logits_fn(blocks.reshape(-1, blocks.shape[-1]), bias=bias).argmax(-1).view(prev.shape)
 
-    def propose(self, rows, anchor: int, logits_fn, temperature: float, generator=None, embed=None):
+    def propose(self, rows, anchor: "int | torch.Tensor", logits_fn, temperature: float, generator=None, embed=None):
         """Slot 0 from the backbone alone, then each slot corrected by the GRU state after the anchor
         and the tokens drafted so far (SGLang's rollout; sampled from each corrected row at T > 0)."""
         tokens, qs, state = [], [], None
@@ -133,7 +133,7 @@ class DominoDrafter(DFlashDrafter):
                 qs.append(q)
             tokens.append(token)
             if i + 1 < rows.shape[0]:  # the state the next slot reads: over the anchor first, then each draft
-                seen = torch.cat([torch.tensor([anchor], device=token.device), token]) if state is None else token
+                seen = torch.cat([anchor_ids(anchor, token.device), token]) if state is None else token
                 _, state = self.prefix_gru(embed(seen.to(rows.device))[None].to(dtype), state)
         return torch.cat(tokens), (torch.stack(qs) if qs else None)
 

@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dflash_train.model.drafter.backbone import DFlashDrafter, as_blocks
+from dflash_train.model.drafter.backbone import DFlashDrafter, anchor_ids, as_blocks
 from dflash_train.model.drafter.shape import DrafterShape
 from dflash_train.model.drafter.head import SGLANG, VLLM, Engine, Export, Head, must_be_positive
 
@@ -139,9 +139,9 @@ class DSparkDrafter(DFlashDrafter):
         bias = self._bias(latent.reshape(-1, latent.shape[-1]))
         return logits_fn(blocks.reshape(-1, blocks.shape[-1]), bias=bias).argmax(-1).view(prev.shape)
 
-    def propose(self, rows, anchor: int, logits_fn, temperature: float, generator=None, embed=None):
+    def propose(self, rows, anchor: "int | torch.Tensor", logits_fn, temperature: float, generator=None, embed=None):
         """Slot by slot: the bias of the token just drafted (the anchor first) on the slot's logits."""
-        prev, state = torch.tensor([anchor], device=rows.device), None
+        prev, state = anchor_ids(anchor, rows.device), None
         tokens, qs = [], []
         for i in range(rows.shape[0]):
             latent, state = self.markov_head.step(rows[i:i + 1], prev, state)
