@@ -199,11 +199,7 @@ class DFlashDrafter(nn.Module):
                 embed=None):
         """Draft one block from its drafting rows [D, H] after `anchor`: (tokens [D], q [D, V] the
         distribution each token was drawn from, None when greedy)."""
-        logits = logits_fn(rows)  # [D, V]
-        if temperature <= 0:
-            return logits.argmax(-1), None
-        q = torch.softmax(logits.double() / temperature, dim=-1)
-        return torch.multinomial(q, 1, generator=generator).squeeze(-1), q
+        return draw(logits_fn(rows), temperature, generator)  # logits [D, V]
 
     def reset_parameters(self, std: float = 0.02, generator: torch.Generator | None = None) -> None:
         """HF-style init: normal(0, std) linears, zero biases, unit norms."""
@@ -318,3 +314,12 @@ HEAD = Head(
     export=Export(("DFlashDraftModel",), speculators_type="dflash"),
     engines=(Engine(VLLM, "dflash"), Engine(SGLANG, "DFLASH", extra_tokens=1)),
 )
+
+
+def draw(logits: torch.Tensor, temperature: float, generator=None):
+    """Tokens [n] drawn from logits [n, V] (argmax when greedy), and q [n, V] the distribution each was drawn
+    from (None when greedy). One rule for every head's drafting, slot by slot or all at once."""
+    if temperature <= 0:
+        return logits.argmax(-1), None
+    q = torch.softmax(logits.double() / temperature, dim=-1)
+    return torch.multinomial(q, 1, generator=generator).squeeze(-1), q

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from dflash_train.model.drafter.backbone import DFlashDrafter, anchor_ids, as_blocks
+from dflash_train.model.drafter.backbone import DFlashDrafter, anchor_ids, as_blocks, draw
 from dflash_train.model.drafter.shape import DrafterShape
 from dflash_train.model.drafter.head import SGLANG, VLLM, Engine, Export, Head, must_be_positive
 
@@ -124,13 +124,9 @@ class DominoDrafter(DFlashDrafter):
         dtype = self.prefix_gru.weight_ih_l0.dtype
         for i in range(rows.shape[0]):
             bias = None if state is None else self.embed_proj[2](self._correction(rows[i:i + 1], state[0]))
-            z = logits_fn(rows[i:i + 1], bias=bias)[0]
-            if temperature <= 0:
-                token = z.argmax().reshape(1)
-            else:
-                q = torch.softmax(z.double() / temperature, dim=-1)
-                token = torch.multinomial(q, 1, generator=generator)
-                qs.append(q)
+            token, q = draw(logits_fn(rows[i:i + 1], bias=bias), temperature, generator)  # [1]; [1, V] or None
+            if q is not None:
+                qs.append(q[0])
             tokens.append(token)
             if i + 1 < rows.shape[0]:  # the state the next slot reads: over the anchor first, then each draft
                 seen = torch.cat([anchor_ids(anchor, token.device), token]) if state is None else token

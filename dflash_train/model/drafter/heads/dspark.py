@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dflash_train.model.drafter.backbone import DFlashDrafter, anchor_ids, as_blocks
+from dflash_train.model.drafter.backbone import DFlashDrafter, anchor_ids, as_blocks, draw
 from dflash_train.model.drafter.shape import DrafterShape
 from dflash_train.model.drafter.head import SGLANG, VLLM, Engine, Export, Head, must_be_positive
 
@@ -145,13 +145,10 @@ class DSparkDrafter(DFlashDrafter):
         tokens, qs = [], []
         for i in range(rows.shape[0]):
             latent, state = self.markov_head.step(rows[i:i + 1], prev, state)
-            z = logits_fn(rows[i:i + 1], bias=self._bias(latent))[0]
-            if temperature <= 0:
-                token = z.argmax().reshape(1)
-            else:
-                q = torch.softmax(z.double() / temperature, dim=-1)
-                token = torch.multinomial(q, 1, generator=generator)
-                qs.append(q)
+            z = logits_fn(rows[i:i + 1], bias=self._bias(latent))  # [1, V]
+            token, q = draw(z, temperature, generator)
+            if q is not None:
+                qs.append(q[0])
             tokens.append(token)
             prev = token.to(rows.device)
         return torch.cat(tokens), (torch.stack(qs) if qs else None)
