@@ -22,11 +22,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from bench._common import Bench
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository root on the path
+from bench._common import Bench  # noqa: E402
 from dflash_train.eval import spec_decode as sd
 from dflash_train.model.drafter.config import drafter_config_from_target
 from dflash_train.model.drafter.backbone import DFlashDrafter

@@ -14,10 +14,13 @@ steps and 6 sets x 24 prompts in <= 60 s on an H200.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
-from bench._common import Bench
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository root on the path
+from bench._common import Bench  # noqa: E402
 
 from dflash_train.eval.evaluate import evaluate
 from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
