@@ -183,7 +183,8 @@ def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator |
 
 def top2_gap(logits: torch.Tensor) -> torch.Tensor:
     """Per row of logits [n, V], top-1 minus top-2 logit [n] in float32: how near the argmax was a tie."""
-    top = logits.float().topk(2, dim=-1).values
+    # the same two values as a topk of the cast logits (a cast keeps the order), without a float32 copy of the rows
+    top = logits.topk(2, dim=-1).values.float()
     return top[:, 0] - top[:, 1]
 
 
@@ -295,19 +296,26 @@ class DraftHead:
     def __call__(self, slots: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [n, V] of slot hidden states [n, H] (n = the drafted tokens), on the weight's device;
         `bias` [n, V] (DSpark's Markov bias) is added before the target's scaling, as in training."""
+        return self.logits(self.scores(slots), bias)
+
+    def scores(self, slots: torch.Tensor) -> torch.Tensor:
+        """The first half of a call: the raw scores [n, V'] of slots [n, H] (the lm_head's matmul). A head
+        that drafts slot by slot scores its whole block with one (`backbone.slot_logits`)."""
         slots = slots.to(self.weight.device, self.weight.dtype)
         if (slots.device.type == "cpu" and FEW_ROWS[0] <= slots.shape[0] <= FEW_ROWS[1]
                 and few_rows_pay(self.weight, slots.shape[0])):
-            scores = few_row_matmul(slots, self.weight)
-        else:
-            scores = slots @ self.weight.T  # [n, V']
+            return few_row_matmul(slots, self.weight)
+        return slots @ self.weight.T  # [n, V']
+
+    def logits(self, scores: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """The second half: logits [n, V] of raw scores [n, V'], the bias [n, V] added before the scaling."""
         if bias is not None:
             bias = bias.to(scores.device, scores.dtype)
             scores = scores + (bias if self.ids is None else bias[:, self.ids])
         scores = scale_logits(scores, self.scaling.output_multiplier, self.scaling.final_logit_softcapping)
         if self.ids is None:
             return scores
-        logits = scores.new_full((slots.shape[0], self.vocab_size), float("-inf"))
+        logits = scores.new_full((scores.shape[0], self.vocab_size), float("-inf"))
         logits[:, self.ids] = scores
         return logits
 

@@ -55,6 +55,17 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[
     return emb.cos(), emb.sin()
 
 
+def rope_in(x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin cast once to x's dtype where every layer's queries and keys are in it (no autocast: the
+    layers' outputs keep their input's dtype), so `apply_rope` casts nothing: two casts per forward instead
+    of four per layer, the same values (issue 37: a bf16 eval cycle ran 36 of these casts). Under autocast
+    they stay float32 and `apply_rope` casts them to each tensor's own dtype, as before."""
+    cos, sin = cos_sin
+    if torch.is_autocast_enabled(x.device.type):
+        return cos, sin
+    return cos.to(x.dtype), sin.to(x.dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [b, heads, L, hd]; cos/sin [b, L, hd]."""
     cos, sin = cos[:, None].to(x.dtype), sin[:, None].to(x.dtype)
@@ -218,14 +229,14 @@ class DFlashDrafter(nn.Module):
 
     def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer context keys/values [b, Hkv, C, hd] for fused context at absolute positions."""
-        cos, sin = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta)
+        cos, sin = rope_in(ctx, rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta))
         return [layer.self_attn.project_kv(ctx, cos, sin) for layer in self.layers]
 
     def run_layers(self, x: torch.Tensor, ctx_kv: list, block_positions: torch.Tensor, masks: dict,
                    backend: str, block_size: int) -> torch.Tensor:
         """Block tokens x [b, Q, H] (Q a multiple of block_size) at absolute positions [b, Q] through all
         layers; returns norm(x)."""
-        cos, sin = rope_cos_sin(block_positions, self.config.head_dim, self.config.rope_theta)
+        cos, sin = rope_in(x, rope_cos_sin(block_positions, self.config.head_dim, self.config.rope_theta))
         for layer, kv in zip(self.layers, ctx_kv):
             mask = masks.get(layer.layer_type) if masks else None
             x = layer(x, kv, cos, sin, mask, backend, block_size)
@@ -268,6 +279,18 @@ def anchor_ids(anchor, device) -> torch.Tensor:
     if isinstance(anchor, torch.Tensor):
         return anchor.reshape(1).to(device)
     return torch.tensor([anchor], device=device)
+
+
+def slot_logits(logits_fn, rows: torch.Tensor):
+    """`at(i, bias=None)` -> logits [1, V] of row i of a block's rows [D, H], for a head that drafts slot by
+    slot. A logits function with `scores` and `logits` halves (the eval's `DraftHead`) has every row's
+    lm_head scores computed here in one matmul, one read of the lm_head per block instead of one per slot
+    (issue 37); the bias and the scaling are applied per slot as in a whole call. Any other callable is
+    called per row."""
+    if hasattr(logits_fn, "scores") and hasattr(logits_fn, "logits"):
+        scores = logits_fn.scores(rows)  # [D, V']
+        return lambda i, bias=None: logits_fn.logits(scores[i:i + 1], bias)
+    return lambda i, bias=None: logits_fn(rows[i:i + 1], bias=bias)
 
 
 def drafted_rows(hidden: torch.Tensor, block_size: int, offset: int = 1, count: int | None = None) -> torch.Tensor:

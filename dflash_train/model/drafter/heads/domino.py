@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from dflash_train.model.drafter.backbone import DFlashDrafter, anchor_ids, as_blocks, draw
+from dflash_train.model.drafter.backbone import DFlashDrafter, anchor_ids, as_blocks, draw, slot_logits
 from dflash_train.model.drafter.shape import DrafterShape
 from dflash_train.model.drafter.head import SGLANG, VLLM, Engine, Export, Head, must_be_positive
 
@@ -122,9 +122,10 @@ class DominoDrafter(DFlashDrafter):
         and the tokens drafted so far (SGLang's rollout; sampled from each corrected row at T > 0)."""
         tokens, qs, state = [], [], None
         dtype = self.prefix_gru.weight_ih_l0.dtype
+        at = slot_logits(logits_fn, rows)  # the lm_head of every slot at once; the correction needs the tokens before
         for i in range(rows.shape[0]):
             bias = None if state is None else self.embed_proj[2](self._correction(rows[i:i + 1], state[0]))
-            token, q = draw(logits_fn(rows[i:i + 1], bias=bias), temperature, generator)  # [1]; [1, V] or None
+            token, q = draw(at(i, bias=bias), temperature, generator)  # [1]; [1, V] or None
             if q is not None:
                 qs.append(q[0])
             tokens.append(token)

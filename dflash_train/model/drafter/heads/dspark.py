@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dflash_train.model.drafter.backbone import DFlashDrafter, anchor_ids, as_blocks, draw
+from dflash_train.model.drafter.backbone import DFlashDrafter, anchor_ids, as_blocks, draw, slot_logits
 from dflash_train.model.drafter.shape import DrafterShape
 from dflash_train.model.drafter.head import SGLANG, VLLM, Engine, Export, Head, must_be_positive
 
@@ -143,9 +143,10 @@ class DSparkDrafter(DFlashDrafter):
         """Slot by slot: the bias of the token just drafted (the anchor first) on the slot's logits."""
         prev, state = anchor_ids(anchor, rows.device), None
         tokens, qs = [], []
+        at = slot_logits(logits_fn, rows)  # the lm_head of every slot at once; the bias needs the token before
         for i in range(rows.shape[0]):
             latent, state = self.markov_head.step(rows[i:i + 1], prev, state)
-            z = logits_fn(rows[i:i + 1], bias=self._bias(latent))  # [1, V]
+            z = at(i, bias=self._bias(latent))  # [1, V]
             token, q = draw(z, temperature, generator)
             if q is not None:
                 qs.append(q[0])
