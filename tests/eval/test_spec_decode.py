@@ -179,6 +179,19 @@ def test_few_row_linear_routes_only_few_rows_and_matches_linear(rows):
         assert mode.routed == 0 and torch.equal(routed, plain)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_top2_gaps_are_those_of_the_float32_logits(dtype):
+    """`top2_gap` takes the top two before the float32 cast (no float32 copy of the verify's rows, issue 37):
+    the same gaps, bitwise, as from the cast rows, ties and a row's repeated maximum included."""
+    gen = torch.Generator().manual_seed(0)
+    logits = (torch.randn(6, 500, generator=gen, dtype=torch.float64) * 4).to(dtype)
+    logits[1, 7] = logits[1, 9] = logits[1].max() + 1  # a tie at the top: gap 0
+    logits[2] = logits[2].round()  # many ties below the top
+    top = logits.float().topk(2, dim=-1).values
+    assert torch.equal(spec_decode.top2_gap(logits), top[:, 0] - top[:, 1])
+    assert spec_decode.top2_gap(logits)[1] == 0 and spec_decode.top2_gap(logits).dtype == torch.float32
+
+
 def test_accept_greedy_by_hand():
     logits = torch.full((4, 10), -1.0)
     for row, tok in enumerate([3, 5, 7, 9]):  # target argmax after slots 0..3

@@ -171,3 +171,29 @@ def test_pitfall_1_overlapping_anchors_never_see_their_own_or_later_context(back
     before = taps.clone()
     before[:, 11] += 5.0
     assert (run(before)[1] - base[1]).abs().max() > 1e-3  # position a' - 1 is visible to block a'
+
+
+def test_rope_is_cast_once_per_forward_to_the_same_values_and_left_float32_under_autocast(monkeypatch):
+    """Issue 37: `run_layers` and `context_kv` cast cos/sin to the layers' dtype once (not two casts per
+    `apply_rope`): a bf16 drafter's context keys and block output are bitwise those of the per-layer casts;
+    under autocast, where a layer's queries may be in another dtype than its input, they stay float32."""
+    from dflash_train.model.drafter import backbone
+
+    drafter = tiny_drafter(window=None, layers=2).to(torch.bfloat16)
+    gen = torch.Generator().manual_seed(0)
+    ctx = torch.randn(1, 7, drafter.config.num_taps * 64, generator=gen).to(torch.bfloat16)
+    block = torch.randn(1, 4, 64, generator=gen).to(torch.bfloat16)
+    ctx_pos, block_pos = torch.arange(7)[None], torch.arange(7, 11)[None]
+    with torch.no_grad():
+        kv = drafter.context_kv(drafter.fuse_context(ctx), ctx_pos)
+        out = drafter.run_layers(block, kv, block_pos, {}, "sdpa", 4)
+        rope_in = backbone.rope_in
+        monkeypatch.setattr(backbone, "rope_in", lambda x, cos_sin: cos_sin)  # apply_rope casts, per layer, as before
+        kv_ref = drafter.context_kv(drafter.fuse_context(ctx), ctx_pos)
+        out_ref = drafter.run_layers(block, kv_ref, block_pos, {}, "sdpa", 4)
+    assert all(torch.equal(a, b) for pair, ref in zip(kv, kv_ref) for a, b in zip(pair, ref))
+    assert torch.equal(out, out_ref)
+    cos_sin = rope_cos_sin(block_pos, 16, 10000.0)
+    assert [t.dtype for t in rope_in(block, cos_sin)] == [torch.bfloat16] * 2
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert all(a is b for a, b in zip(rope_in(block.float(), cos_sin), cos_sin))

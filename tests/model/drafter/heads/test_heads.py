@@ -221,3 +221,36 @@ def test_the_memory_plan_of_a_run_counts_its_head():
         assert states[name] == per_param * plan.drafter_params(d)
     assert all(states[name] > states["dflash"] for name in HEAD_NAMES if HEADS[name].parameters is not
                HEADS["dflash"].parameters)
+
+
+@pytest.mark.parametrize("name,extra", CASES, ids=IDS)
+def test_a_block_is_scored_at_once_and_drafts_as_the_head_called_row_by_row(name, extra):
+    """Issue 37: given the eval's `DraftHead` (its `scores` and `logits` halves), a head that drafts slot by
+    slot scores the whole block with one lm_head matmul (`backbone.slot_logits`) and adds its bias and the
+    target's scaling per slot: the drafts (greedy and sampled) are those of the same head called row by row,
+    over a draft vocabulary and a soft cap, so the bias is indexed and scaled as in one call."""
+    from dflash_train.eval.spec_decode import DraftHead
+    from dflash_train.model.target.scaling import Scaling
+
+    target = tiny_target(seed=0, layers=6)
+    drafter = off_neutral(build_drafter(head_config(target.config, name, extra, block=4)), seed=4).double().eval()
+    table = target.get_input_embeddings().weight
+    head = DraftHead.of(target.get_output_embeddings().weight, torch.arange(1, target.config.vocab_size, 2),
+                        Scaling(output_multiplier=0.7, final_logit_softcapping=3.0))
+    scored = []
+    halves = head.scores
+    head.scores = lambda slots: scored.append(slots.shape[0]) or halves(slots)  # counts the lm_head's matmuls
+    gen = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for anchor in (5, 40, 77):
+            rows = torch.randn(drafter.drafted(4), drafter.config.hidden_size, generator=gen, dtype=torch.float64)
+            for temperature in (0.0, 0.9):
+                scored.clear()
+                at_once, q_once = drafter.propose(rows, anchor, head, temperature, torch.Generator().manual_seed(anchor),
+                                                  embed=lambda ids: table[ids])
+                assert scored == [rows.shape[0]]  # the lm_head once, over the whole block
+                by_row, q_row = drafter.propose(rows, anchor, lambda r, bias=None: head(r, bias), temperature,
+                                                torch.Generator().manual_seed(anchor), embed=lambda ids: table[ids])
+                assert at_once.tolist() == by_row.tolist()
+                assert (q_once is None) == (q_row is None) and (q_once is None or torch.allclose(q_once, q_row))
+                assert set(at_once.tolist()) <= set(head.ids.tolist())
