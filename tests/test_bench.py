@@ -35,6 +35,8 @@ CASES = {
     "regenerate": ([sys.executable, "bench/regenerate.py"], ["graph_new_tok_s", "dynamic_new_tok_s"]),
     "spec_decode_gpu": ([sys.executable, "bench/spec_decode_gpu.py"], ["static_r0_cycle_plain_steps",
                                                                       "dynamic_r0_cycle_plain_steps"]),
+    "decode_census": ([sys.executable, "bench/decode_census.py"], ["plain_kernels", "cycle_kernels",
+                                                                     "cycle_over_plain_kernels"]),
     "flex_tune": ([sys.executable, "bench/flex_tune.py", "--reps", "2"], ["variant0_ms"]),
     "pipeline": (TORCHRUN + ["bench/pipeline.py"],
                  ["tokens_per_s", "drafter_busy_fraction", "target_busy_fraction", "drafter_capacity_tok_s",

@@ -121,6 +121,33 @@ def test_cuda_graph_replays_equal_the_eager_fixed_shape_steps(arch):
     assert all(bucket.cycle.graph is not None and bucket.plain.graph is not None for bucket in graphs.buckets.values())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_the_gpu_recipe_s_pair_is_captured_and_its_replays_equal_the_eager_steps():
+    """Issue 37: the `gpu` recipe's drafter (DSpark, 6 sliding-window layers at SmolLM2's width, block 4) on the
+    real SmolLM2 in bfloat16, as the GPU eval decodes: both steps are captured (a failed capture decodes
+    eagerly, at about twice a replay's cost) and replay what the eager steps compute."""
+    from dflash_train import recipes
+    from dflash_train.model.target.load import load_target
+    from dflash_train.train.setup import build_drafter_config
+
+    target = load_target("smollm2", dtype=torch.bfloat16, device="cuda")
+    cfg = build_drafter_config(recipes.gpu(), target)
+    drafter = build_drafter(cfg)
+    drafter.reset_parameters(generator=torch.Generator().manual_seed(0))
+    drafter = drafter.to("cuda", torch.bfloat16).eval()
+    assert cfg.arch == "dspark" and set(cfg.layer_types) == {"sliding_attention"}
+    head = DraftHead.of(target.lm_head_weight, None, cfg.scaling)
+    graphs, eager = (StaticDecoder(target.model, drafter, target.embed_weight, head, cfg.target_layer_ids,
+                                   cfg.block_size, 32) for _ in range(2))
+    eager.use_graph = False
+    prompt = target.tokenizer("Name three colours of the rainbow.", return_tensors="pt").input_ids.cuda()
+    for _ in range(2):  # the first call of a bucket captures, the second replays
+        a, b = graphs.speculative(prompt, 32, []), eager.speculative(prompt, 32, [])
+        assert a.tokens == b.tokens and a.accepted == b.accepted
+        assert graphs.plain(prompt, 32, []).tokens == eager.plain(prompt, 32, []).tokens
+    assert all(bucket.cycle.graph is not None and bucket.plain.graph is not None for bucket in graphs.buckets.values())
+
+
 def test_evaluate_through_the_static_decoder_says_so_and_matches(smollm2_target, tmp_path):
     from dflash_train.eval.evaluate import evaluate
 
