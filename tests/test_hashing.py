@@ -21,9 +21,11 @@ def reference(data: bytes, piece: int) -> str:
     return hashlib.sha256(b"".join(hashlib.sha256(s).digest() for s in slices)).hexdigest()
 
 
-@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("threads,read_bytes", [(1, None), (3, 1000)])  # 1000: a piece read in uneven parts
 @pytest.mark.parametrize("size", SIZES)
-def test_piece_digest_is_sha256_over_the_pieces_sha256s(tmp_path, size, threads):
+def test_piece_digest_is_sha256_over_the_pieces_sha256s(tmp_path, monkeypatch, size, threads, read_bytes):
+    if read_bytes:
+        monkeypatch.setattr(hashing, "READ_BYTES", read_bytes)
     data = os.urandom(size)
     path = tmp_path / "f.bin"
     path.write_bytes(data)
