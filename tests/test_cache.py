@@ -210,6 +210,15 @@ def test_a_changed_byte_in_any_piece_is_caught_for_both_record_kinds(tmp_path, m
     assert json.loads(cache.record_path_of(final).read_text())["sha256_pieces_4KiB"] == _piece_reference(data)
 
 
+def test_file_sha256_stays_the_plain_sha256(tmp_path, monkeypatch):
+    """A target's identity (exports record it) is the plain sha256, whatever the verified caches use."""
+    monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(hashing, "PIECE_BYTES", PIECE)
+    path, data = tmp_path / "weights.bin", os.urandom(3 * PIECE + 100)
+    path.write_bytes(data)
+    assert cache.file_sha256(path, log=pytest.fail) == hashlib.sha256(data).hexdigest()
+
+
 def test_second_prepare_into_a_busy_shard_directory_is_refused(tmp_path):
     # Local import: the spawned helpers import this module, and they need no torch.
     from dflash_train.data.shards import LOCK_NAME, prepare_shards
