@@ -29,8 +29,8 @@ PROGRESS_EVERY_S = 10.0
 ANNOUNCE_BYTES = 1 << 30  # files this large get a line before hashing, progress lines and a closing line
 HASH_CHUNK = 8 << 20  # the sequential sha256 reads this much at a time
 PIECE_BYTES = 64 << 20  # the piece digest's piece size when a record is written
-READ_BYTES = 1 << 20  # each thread reads its piece this much at a time: fits a core's L2 cache
-MAX_THREADS = 8  # past ~8 threads the page cache's copy, not sha256, bounds the rate
+READ_BYTES = 1 << 20  # each thread reads its piece this much at a time: about a core's L2 cache
+MAX_THREADS = 8  # leaves cores to the run's own CPU work (loaders, compile) on a 16-core GPU machine
 
 _KEY = re.compile(r"sha256_pieces_(\d+)(MiB|KiB|B)")
 _UNITS = {"MiB": 1 << 20, "KiB": 1 << 10, "B": 1}
@@ -102,8 +102,8 @@ def sha256_file(path: Path, size: int, log=print, why: str = "") -> str:
 
 def _hash_piece(fd: int, buffer: bytearray, offset: int, length: int) -> bytes:
     """The raw sha256 of bytes [offset, offset + length) of `fd`, read READ_BYTES at a time into `buffer`
-    (a piece read whole, 64 MiB, leaves the caches before sha256 reads it: 2x slower measured on a
-    2-core EPYC); fewer bytes if the file ends first."""
+    (a piece read whole, 64 MiB, leaves the caches before sha256 reads it: 2x slower on one thread of a
+    2-core EPYC in an exploratory run); fewer bytes if the file ends first."""
     digest, view, end = hashlib.sha256(), memoryview(buffer), offset + length
     while offset < end:
         n = os.preadv(fd, [view[:min(len(buffer), end - offset)]], offset)
