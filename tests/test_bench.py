@@ -38,6 +38,7 @@ CASES = {
     "decode_census": ([sys.executable, "bench/decode_census.py"], ["plain_kernels", "cycle_kernels",
                                                                      "cycle_over_plain_kernels"]),
     "flex_tune": ([sys.executable, "bench/flex_tune.py", "--reps", "2"], ["variant0_ms"]),
+    "hash_throughput": ([sys.executable, "bench/hash_throughput.py"], ["sequential_gb_s", "parallel_gb_s", "ratio"]),
     "pipeline": (TORCHRUN + ["bench/pipeline.py"],
                  ["tokens_per_s", "drafter_busy_fraction", "target_busy_fraction", "drafter_capacity_tok_s",
                   "target_capacity_tok_s"]),
