@@ -216,7 +216,7 @@ class OptimConfig:
     of its 5-step schedule: closer to orthogonal than torch's at 5 iterations, not at 4 (docs/PERF.md) |
     gram_symmetric = gram with every product whose result is symmetric (all but the last X <- Q X) computed on
     its upper block triangle (muon_gram_blocks; train/optim/symmetric.py), on every shape the square ones
-    included: 79.5 -> 58.5 TFLOP per step at the paper shapes with 4 blocks (54.4 with 8); its GPU speed is not
+    included: 79.5 -> 58.5 TFLOP per step at the paper shapes with 4 blocks (54.3 with 8); its GPU speed is not
     measured yet (docs/PERF.md 3.7)."""
     muon_gram_blocks: int = 4
     """Block rows k of gram_symmetric's products (2..32): (k + 1) / 2k of their FLOPs, in k matmuls each."""

@@ -243,8 +243,8 @@ class Muon(torch.optim.Optimizer):
         self.gram = iteration in ("gram", "gram_symmetric")
         self.blocks = gram_blocks if iteration == "gram_symmetric" else 1
         if iteration == "gram_symmetric" and gram_blocks < 2:
-            raise ValueError(f"optim.muon_iteration=gram_symmetric needs optim.muon_gram_blocks >= 2, got {gram_blocks} "
-                             "(1 block is optim.muon_iteration=gram)")
+            raise ValueError(f"optim.muon_iteration=gram_symmetric needs optim.muon_gram_blocks >= 2, got "
+                             f"{gram_blocks} (1 block is optim.muon_iteration=gram)")
         self.compiled = compiled
         self.rank, self.world, self.group = 0, 1, None
         self.orthogonalised = 0
