@@ -39,6 +39,13 @@ the same polynomial, 101.3 -> 79.5 TFLOP per step at the paper shapes. Its float
 closer to the float64 polynomial than the standard form's bf16, and the CPU golden run's losses follow
 the standard form's within 0.003 over 64 steps (docs/PERF.md 3.7): that is why it is the default;
 `newton_schulz` is torch.optim.Muon's update bit for bit, the tests' reference.
+`optim.muon_iteration=gram_symmetric` is `gram` with every product whose result is symmetric (all but the
+final X <- Q X: the [m, m] iterates are polynomials in one Gram matrix, which commute) computed on its
+upper block triangle of `optim.muon_gram_blocks` = k blocks and mirrored (train/optim/symmetric.py):
+(k + 1) / 2k of those products' FLOPs, which makes the Gram form cheaper than the standard one on the
+square q and o too, 79.5 -> 58.5 TFLOP per step at the paper shapes with k = 4 (54.3 with 8). Equal to
+`gram` with full products in float64 (tests/train/optim/test_muon_symmetric.py); its GPU speed is not
+measured yet, so `gram` stays the default.
 On CUDA the module's parameters are bf16 (what the matmuls read) and Muon runs on float32 masters,
 as `optim.MasterWeightAdamW` does for the AdamW part: the bf16 weight is the master rounded.
 """
