@@ -14,7 +14,7 @@ columns i.. of B [n, K, (k - i) s], both views of the operands, written in place
 block row. Not one bmm over all k (k + 1) / 2 block pairs: gathering the pairs' operands copies each
 operand (k + 1) / 2 times, ~13 m^2 elements moved per product at k = 4; at m = 4096 on an H200 (~4.8
 TB/s, ~770 TFLOP/s) that is ~half the time of the full product, more than the 3/8 the triangle saves.
-Here the extra traffic is the block row's write and the mirror (< 2 m^2 elements).
+Here the extra traffic is the mirror (~1.1 m^2 element reads and writes; docs/PERF.md 3.7).
 """
 
 from __future__ import annotations
