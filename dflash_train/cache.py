@@ -9,9 +9,11 @@
   and each file's size, which readers check). A single file needs no marker: it only ever appears
   by an atomic rename once it is whole.
 
-A cache file built with `verify` gets a content record `.<name>.sha256.json` (its size and sha256,
-written before the file is renamed into place) and is hashed on every use: a file edited or
-corrupted since it was built is named and rebuilt, never used.
+A cache file built with `verify` gets a content record `.<name>.sha256.json` (its size and its piece
+digest, `hashing.py`: sha256 over the sha256s of 64 MiB pieces, hashed by a thread pool; written before
+the file is renamed into place) and is hashed in full again on every use: a file edited or corrupted
+since it was built is named and rebuilt, never used. A record written by an older version holds the
+file's plain `sha256` instead; it is checked with that, so such caches stay valid without a rebuild.
 
 A builder killed mid-build leaves at most a temporary sibling or an unmarked directory; the next
 caller (holding the lock, so no one else is building) removes it with a message and rebuilds. A
@@ -36,10 +38,10 @@ import time
 from pathlib import Path
 from typing import Callable, Iterator
 
-from dflash_train import atomic
+from dflash_train import atomic, hashing
+from dflash_train.hashing import PROGRESS_EVERY_S
 
 MARKER = ".complete"
-PROGRESS_EVERY_S = 10.0
 _POLL_S = 0.25
 
 
@@ -168,7 +170,7 @@ def build_once(final: str | Path, build: Callable[[Path], None], describe: str, 
     `build(tmp)` fills the temporary directory `tmp` (`directory=True`) or writes the file `tmp`.
     `accept_unmarked(final)` may vouch for a directory made before markers existed (it then gets
     one); otherwise an unmarked directory is removed and rebuilt. `verify` (a file): its content is
-    hashed on every call and compared with the sha256 recorded when it was built (`content_problem`);
+    hashed on every call and compared with the digest recorded when it was built (`content_problem`);
     a file that differs, or has no record, is named and rebuilt.
     """
     final = Path(final)
@@ -196,63 +198,60 @@ def build_once(final: str | Path, build: Callable[[Path], None], describe: str, 
 
 
 def record_path_of(final: Path) -> Path:
-    """The content record of a verified cache file: its size and sha256 when built."""
+    """The content record of a verified cache file: its size and content digest when built."""
     return final.with_name(f".{final.name}.sha256.json")
 
 
 def _build_recorded(tmp: Path, final: Path, build: Callable[[Path], None], log) -> None:
-    """Build into `tmp`, then record its content digest for `final` (before `tmp` is renamed to `final`,
+    """Build into `tmp`, then record its piece digest for `final` (before `tmp` is renamed to `final`,
     so a file in place always has a record; a record without its file is rewritten by the next build)."""
     build(tmp)
-    size = tmp.stat().st_size
-    record = {"size": size, "sha256": _hash_file(tmp, size, log), "pid": os.getpid(), "host": socket.gethostname(),
+    size, piece = tmp.stat().st_size, hashing.PIECE_BYTES
+    digest = hashing.piece_digest(tmp, size, log, "just built, for its content record (checked on every use)",
+                                  piece_bytes=piece)
+    record = {"size": size, hashing.piece_key(piece): digest, "pid": os.getpid(), "host": socket.gethostname(),
               "built": time.strftime("%Y-%m-%dT%H:%M:%S")}
     atomic.write_text(record_path_of(final), json.dumps(record) + "\n")
 
 
+def _recorded_digest(record: dict) -> tuple[int | None, str]:
+    """(piece size, digest) of a content record: a piece digest's key names its piece size; a record
+    written by an older version has only "sha256", the plain digest (piece size None)."""
+    for key, value in record.items():
+        piece = hashing.piece_size_of(key)
+        if piece:
+            return piece, str(value)
+    return None, str(record["sha256"])
+
+
 def content_problem(final: Path, log=print) -> str:
     """What is wrong with a verified cache file's content ("" when it is the one built): read whole and
-    hashed (a file of 1 GB or more says so, with progress), compared with its record."""
+    hashed as its record was (a file of 1 GB or more says so, with progress), compared with the record."""
     try:
         record = json.loads(record_path_of(final).read_text())
-        want_size, want_sha = int(record["size"]), str(record["sha256"])
-    except (OSError, ValueError, KeyError, TypeError):
+        want_size, (piece, want) = int(record["size"]), _recorded_digest(record)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return f"no content record ({record_path_of(final).name}: built by an older version, or the record is damaged)"
     size = final.stat().st_size
     if size != want_size:
         return f"{size} bytes, {want_size} when built"
-    if _hash_file(final, size, log) != want_sha:
-        return "its sha256 differs from the one recorded when it was built (edited or corrupted)"
+    why = "to check it against its content record (a verified cache is hashed in full on every use)"
+    if piece is None:  # an older version's record: the plain sha256, sequential
+        if hashing.sha256_file(final, size, log, why) != want:
+            return "its sha256 differs from the one recorded when it was built (edited or corrupted)"
+    elif hashing.piece_digest(final, size, log, why, piece_bytes=piece) != want:
+        return (f"its piecewise sha256 differs from the one recorded when it was built (edited or corrupted; "
+                f"{hashing.piece_key(piece)})")
     return ""
 
 
 # ---------------------------------------------------------------------------------------------
 # Content digests: a file's sha256, computed once per version of the file on this node
 
-HASH_CHUNK = 8 << 20
-ANNOUNCE_BYTES = 1 << 30  # files larger than this get a line before hashing and progress lines
-
 
 def digest_cache_dir() -> Path:
     """Where digests are kept: `$DFLASH_TRAIN_CACHE/sha256` (node-local, like the GGUF conversions)."""
     return Path(os.environ.get("DFLASH_TRAIN_CACHE", "~/.cache/dflash-train")).expanduser() / "sha256"
-
-
-def _hash_file(path: Path, size: int, log) -> str:
-    digest, done, t0, next_line = hashlib.sha256(), 0, time.monotonic(), PROGRESS_EVERY_S
-    if size >= ANNOUNCE_BYTES:
-        log(f"hashing {path} ({size / 1e9:.1f} GB) once; later runs read the cached digest")
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            digest.update(chunk)
-            done += len(chunk)
-            waited = time.monotonic() - t0
-            if waited >= next_line:
-                rate = done / waited
-                log(f"hashing {path.name}: {done / size:.0%} of {size / 1e9:.1f} GB, {rate / 1e9:.2f} GB/s, "
-                    f"ETA {(size - done) / max(rate, 1.0):.0f} s")
-                next_line += PROGRESS_EVERY_S
-    return digest.hexdigest()
 
 
 def file_sha256(path: str | Path, log=print) -> str:
@@ -263,10 +262,11 @@ def file_sha256(path: str | Path, log=print) -> str:
     stat = path.stat()
     key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:32]
     record = digest_cache_dir() / f"{key}.json"
+    why = "once for this version of the file (path, size, mtime); later runs read the cached digest"
 
     def build(tmp: Path) -> None:
         tmp.write_text(json.dumps({"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
-                                   "sha256": _hash_file(path, stat.st_size, log)}) + "\n")
+                                   "sha256": hashing.sha256_file(path, stat.st_size, log, why)}) + "\n")
 
     def quiet(line: str) -> None:  # the hashing says enough; waiting for another rank's is still said
         if not line.startswith(("cache: building", "cache: built")):

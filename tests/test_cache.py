@@ -3,6 +3,7 @@ whole), a SIGKILLed builder leaves nothing a reader trusts, waiters say whom the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train import cache
+from dflash_train import cache, hashing
 
 RACERS = 8
 PAYLOAD = "complete payload\n"
@@ -156,6 +157,66 @@ def test_single_file_appears_whole_and_once(tmp_path):
     assert final.read_text() == PAYLOAD
     assert any("removing .samples.jsonl.tmp-dead" in line for line in lines)
     assert not (tmp_path / ".samples.jsonl.tmp-dead").exists()
+
+
+PIECE = 4096
+
+
+def _piece_reference(data: bytes) -> str:
+    """The piece digest written out: sha256 of each PIECE slice, then sha256 of those digests in order."""
+    return hashlib.sha256(b"".join(hashlib.sha256(data[i:i + PIECE]).digest()
+                                   for i in range(0, len(data), PIECE))).hexdigest()
+
+
+def _verified(final: Path, data: bytes, lines: list) -> bool:
+    return cache.build_once(final, lambda tmp: tmp.write_bytes(data), "the test taps", directory=False,
+                            log=lines.append, verify=True)
+
+
+def test_a_verified_cache_records_its_piece_digest(tmp_path, monkeypatch):
+    monkeypatch.setattr(hashing, "PIECE_BYTES", PIECE)
+    final, data = tmp_path / "taps.bin", os.urandom(3 * PIECE + 100)
+    assert _verified(final, data, [])
+    record = json.loads(cache.record_path_of(final).read_text())
+    assert set(record) == {"size", "sha256_pieces_4KiB", "pid", "host", "built"}  # no plain "sha256": not hashed twice
+    assert record["size"] == len(data) and record["sha256_pieces_4KiB"] == _piece_reference(data)
+    monkeypatch.setattr(hashing, "PIECE_BYTES", 64 << 20)  # checked with the record's piece size, not today's
+    assert cache.content_problem(final) == ""
+    assert not cache.build_once(final, lambda tmp: pytest.fail("must not rebuild"), "the test taps",
+                                directory=False, verify=True)
+
+
+@pytest.mark.parametrize("kind", ["pieces", "older version's sha256"])
+def test_a_changed_byte_in_any_piece_is_caught_for_both_record_kinds(tmp_path, monkeypatch, kind):
+    monkeypatch.setattr(hashing, "PIECE_BYTES", PIECE)
+    final, data = tmp_path / "taps.bin", os.urandom(3 * PIECE + 100)
+    _verified(final, data, [])
+    if kind != "pieces":  # the record an older version wrote: the plain sha256
+        cache.record_path_of(final).write_text(json.dumps({"size": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                                                           "pid": 1, "host": "h", "built": "2026-12-04T10:00:00"}))
+    assert cache.content_problem(final) == ""
+    assert not cache.build_once(final, lambda tmp: pytest.fail("must not rebuild"), "the test taps",
+                                directory=False, verify=True)  # a cache built before this change stays valid
+    for where in [0, PIECE - 1, PIECE, 2 * PIECE + 17, len(data) - 1]:  # every piece, its edges, the short last
+        changed = bytearray(data)
+        changed[where] ^= 0x01
+        final.write_bytes(changed)
+        problem = cache.content_problem(final)
+        assert "sha256 differs" in problem and ("piecewise" in problem) == (kind == "pieces"), (where, problem)
+    lines = []
+    assert _verified(final, data, lines)  # named and rebuilt, with a record of the new kind
+    assert any("not what was built; removing it and rebuilding" in line for line in lines)
+    assert final.read_bytes() == data
+    assert json.loads(cache.record_path_of(final).read_text())["sha256_pieces_4KiB"] == _piece_reference(data)
+
+
+def test_file_sha256_stays_the_plain_sha256(tmp_path, monkeypatch):
+    """A target's identity (exports record it) is the plain sha256, whatever the verified caches use."""
+    monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(hashing, "PIECE_BYTES", PIECE)
+    path, data = tmp_path / "weights.bin", os.urandom(3 * PIECE + 100)
+    path.write_bytes(data)
+    assert cache.file_sha256(path, log=pytest.fail) == hashlib.sha256(data).hexdigest()
 
 
 def test_second_prepare_into_a_busy_shard_directory_is_refused(tmp_path):

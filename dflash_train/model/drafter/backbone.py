@@ -28,8 +28,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from dflash_train.model.drafter.attention import SLIDING, attend, inference_mask
-from dflash_train.model.drafter.shape import DrafterShape
-from dflash_train.model.drafter.head import SGLANG, VLLM, Engine, Export, Head
+from dflash_train.model.drafter.shape import BASE_HEAD, DrafterShape
+from dflash_train.model.drafter.head import SGLANG, VLLM, Engine, Export, Foreign, Head
 
 
 class RMSNorm(nn.Module):
@@ -310,9 +310,10 @@ class ContextCache:
 
 
 HEAD = Head(
-    name="dflash", module=DFlashDrafter, published_block=16,  # the paper's block
+    name=BASE_HEAD, module=DFlashDrafter, published_block=16,  # the paper's block
     export=Export(("DFlashDraftModel",), speculators_type="dflash"),
     engines=(Engine(VLLM, "dflash"), Engine(SGLANG, "DFLASH", extra_tokens=1)),
+    foreign=Foreign(speculators_type="dflash"),
 )
 
 

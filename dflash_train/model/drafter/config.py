@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from dflash_train.model.drafter.heads.architectures import SETTINGS, head, others_at_defaults, setting_problems
 from dflash_train.model.drafter.attention import FULL, SLIDING
-from dflash_train.model.drafter.shape import DrafterShape
+from dflash_train.model.drafter.shape import BASE_HEAD, DrafterShape
 from dflash_train.model.target.scaling import Scaling, scaling_problems, target_scaling
 from dflash_train.model.target.taps import build_target_layer_ids
 
@@ -159,7 +159,7 @@ WINDOW_LAYERS = ("all", "all_but_last")
 def drafter_config_from_target(target_config, *, num_layers: int, block_size: int, mask_token_id: int,
                                target_layer_ids=None, num_taps: int = 5, sliding_window: int | None = None,
                                window_layers: str = "all", window_causal: bool = False,
-                               vocab_size: int | None = None, arch: str = "dflash",
+                               vocab_size: int | None = None, arch: str = BASE_HEAD,
                                head_settings: dict | None = None) -> DrafterConfig:
     """Derive the drafter from the target: width, heads, head_dim, rope theta, eps, vocab, taps, and how
     the target scales its embeddings and logits (model/target/scaling.py); `head_settings` the heads' own

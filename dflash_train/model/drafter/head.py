@@ -10,7 +10,8 @@ DFlash (model/drafter/backbone.py), DFlash 2 (model/drafter/heads/dflash2.py), D
   the config tree's `drafter.*` section and `DrafterConfig`, so both have one source of defaults;
 - a `Head` naming the rest: the block it is published with, how vLLM and SGLang read and serve it
   (`Export`, `Engine`), which of its parameters stay out of Muon, its parameter count for `plan`,
-  its settings' checks, and a small size for smoke runs.
+  its settings' checks, a small size for smoke runs, and how other trainers write it (`Foreign`: what
+  model/drafter/export/ecosystem.py reads a speculators or DeepSpec checkpoint of it by).
 Nothing outside the head files and the registry asks which head trains.
 """
 
@@ -62,6 +63,31 @@ class Export:
         return tuple(k for k, _ in self.keys) + tuple(k for k, _ in self.constants)
 
 
+@dataclass(frozen=True)
+class Foreign:
+    """How other trainers write this head, for reading their checkpoints (model/drafter/export/ecosystem.py):
+    the defaults of their config classes, which a config written as a diff against them leaves out."""
+
+    speculators_type: str | None = None
+    """`speculators_model_type` of speculators 0.9.0's drafter that is this head; None: speculators has none."""
+    from_anchor: bool = False
+    """It drafts from the anchor's slot (speculators' `sample_from_anchor` default for it; ours always does
+    or never does)."""
+    window_non_causal: bool = False
+    """speculators' `sliding_window_non_causal` default for it."""
+    deepspec: bool = False
+    """DeepSeek's DeepSpec writes it (under its export `architectures`, without a `dflash_config`)."""
+    deepspec_defaults: tuple[tuple[str, object], ...] = ()
+    """DeepSpec's defaults of this head's keys, where they differ from speculators'."""
+    heads: Callable[[dict], tuple[dict, tuple[str, ...]]] | None = None
+    """A foreign config dict -> (this head's keys as our export writes them, the parts the checkpoint lacks);
+    None: its export keys are copied as they are and nothing can be missing."""
+    fill: Callable[[dict, object, tuple[str, ...]], dict] | None = None
+    """(tensors, DrafterConfig, missing parts) -> the tensors with what drafting reads there (zeros)."""
+    notes: tuple[tuple[str, str], ...] = ()
+    """(missing part, what is said when a checkpoint lacks it)."""
+
+
 def must_be_positive(values, names) -> list[str]:
     """`name=value: must be > 0` for each of the settings `names` of `values` that is not."""
     return [f"{name}={getattr(values, name)}: must be > 0" for name in names if getattr(values, name) <= 0]
@@ -97,6 +123,8 @@ class Head:
     """Words in the names of its parameters that AdamW keeps (tables over the vocabulary, recurrences)."""
     small: tuple[tuple[str, object], ...] = ()
     """Settings that make it small for smoke runs, tests and `--small` benches."""
+    foreign: Foreign | None = None
+    """How other trainers' checkpoints of it read; None: no other trainer writes it."""
 
     def setting_names(self) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(self.settings)) if self.settings else ()

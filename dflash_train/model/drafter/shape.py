@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 from dflash_train.model.target.scaling import Scaling
 
+BASE_HEAD = "dflash"
+"""The paper's head (model/drafter/backbone.py), every other head's base: the one default of `drafter.arch`."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class DrafterShape:
@@ -37,7 +40,7 @@ class DrafterShape:
     """Sliding-window layers causal inside the block (z-lab's reading of a config without `is_causal`);
     False = the 2026 drafters' non-causal window (`is_causal: false`): the block stays bidirectional."""
     attention_bias: bool = False
-    arch: str = "dflash"
+    arch: str = BASE_HEAD
     """The drafter's head (model/drafter/heads/architectures.py lists them; each head file declares its settings)."""
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None

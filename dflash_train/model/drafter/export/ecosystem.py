@@ -22,8 +22,10 @@ The formats, as their writers write them (read from their code, 2026-12):
   `enable_confidence_head`, `confidence_head_with_markov` at the top level, RoPE in `rope_parameters`,
   every layer full attention; the frozen `embed_tokens` and `lm_head` copies are saved too (unused: the
   target's own are). Its DFlash is this DSpark with `markov_rank` 0 and no confidence head.
-A DSpark without a Markov or confidence head (both formats allow it) reads as ours with zeros where drafting
-would read them (`_dspark_heads`), said in a note.
+What is particular to a head (which speculators type it is, its config classes' defaults, the parts a
+checkpoint may lack and what drafting reads there: a DSpark without a Markov or confidence head reads as
+ours with zeros, said in a note) is declared in its file as `Head.foreign` (model/drafter/head.py `Foreign`);
+this module knows the formats only.
 """
 
 from __future__ import annotations
@@ -33,12 +35,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
+from dflash_train.model.drafter.attention import FULL, SLIDING
+from dflash_train.model.drafter.head import Head
+from dflash_train.model.drafter.heads.architectures import HEADS, build_drafter, head
+
 FORMATS = ("zlab", "speculators", "deepspec")
-FULL, SLIDING = "full_attention", "sliding_attention"  # model/drafter/attention.py's layer types (that module needs torch)
-SPECULATORS_ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel", "dspark": "Qwen3DSparkModel"}
-"""speculators_model_type -> the z-lab `architectures` name of the same drafter (model/drafter/heads/architectures.py)."""
-DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-DSPARK_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
+SPECULATORS_HEADS = {h.foreign.speculators_type: h for h in HEADS.values() if h.foreign and h.foreign.speculators_type}
+"""speculators_model_type -> our head of the same drafter."""
+DEEPSPEC_HEADS = tuple(h for h in HEADS.values() if h.foreign and h.foreign.deepspec)
+"""The heads DeepSeek's DeepSpec writes, each under its export's `architectures`."""
 FROZEN_COPIES = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight", "verifier_norm.weight")
 """Target weights a checkpoint may carry beside the drafter's own: the target's are used instead."""
 
@@ -61,9 +66,14 @@ def detect_format(d: dict) -> str:
     """The format of a drafter config.json (module doc)."""
     if "speculators_model_type" in d:
         return "speculators"
-    if "Qwen3DSparkModel" in (d.get("architectures") or []) and "dflash_config" not in d:
+    if _deepspec_head(d) is not None and "dflash_config" not in d:
         return "deepspec"
     return "zlab"
+
+
+def _deepspec_head(d: dict) -> Head | None:
+    names = set(d.get("architectures") or [])
+    return next((h for h in DEEPSPEC_HEADS if names & set(h.export.architectures)), None)
 
 
 def read_config(model_dir: str | Path) -> tuple[dict, str]:
@@ -99,21 +109,23 @@ def _require(d: dict, keys, source: str) -> None:
             raise UnsupportedDrafter(source, key, "missing (its writer always sets it)")
 
 
-def _check_speculators(d: dict, source: str) -> str:
+def _check_speculators(d: dict, source: str) -> Head:
     kind = d["speculators_model_type"]
-    if kind not in SPECULATORS_ARCHITECTURES:
+    if kind not in SPECULATORS_HEADS:
         raise UnsupportedDrafter(source, "speculators_model_type", f"{kind!r} is not a drafter of the DFlash family "
-                                 f"this trainer reads ({', '.join(SPECULATORS_ARCHITECTURES)})")
+                                 f"this trainer reads ({', '.join(SPECULATORS_HEADS)})")
+    h = SPECULATORS_HEADS[kind]
     _require(d, ("transformer_layer_config", "aux_hidden_state_layer_ids", "mask_token_id", "block_size",
                  "draft_vocab_size"), source)
     if min(d["aux_hidden_state_layer_ids"]) < 1:
         raise UnsupportedDrafter(source, "aux_hidden_state_layer_ids", f"{d['aux_hidden_state_layer_ids']} taps the "
                                  "embedding output (0), which no DFlash drafter of this trainer reads")
-    from_anchor = d.get("sample_from_anchor", kind == "dspark")  # the config classes' defaults
-    if from_anchor != (kind == "dspark"):
+    ours = h.foreign.from_anchor
+    from_anchor = d.get("sample_from_anchor", ours)  # the config class's default
+    if from_anchor != ours:
         raise UnsupportedDrafter(source, "sample_from_anchor", f"{from_anchor} on a {kind} drafter: this trainer's "
-                                 f"{kind} drafts from the anchor's slot {'only' if kind == 'dspark' else 'never'}")
-    return kind
+                                 f"{h.name} drafts from the anchor's slot {'only' if ours else 'never'}")
+    return h
 
 
 def _check_deepspec(d: dict, source: str) -> None:
@@ -156,20 +168,16 @@ def _check_act(act, source: str, key: str) -> None:
         raise UnsupportedDrafter(source, key, f"{act!r}: our drafters' MLP is SwiGLU (silu)")
 
 
-def _dspark_heads(d: dict) -> tuple[dict, tuple[str, ...]]:
-    """Our DSpark's head keys for a checkpoint's, and the heads it lacks, which drafting reads as ours with zeros:
-    no Markov head is a zero bias (rank 1, W2 = 0); no confidence head is never read when drafting; one that
-    reads the hidden state alone is ours with zero weights on the Markov input. (DeepSpec's DFlash is such a
-    DSpark: drafting from the anchor's slot, with neither head.)"""
-    rank = d.get("markov_rank", 256)  # speculators' default; DeepSpec always writes it
-    keys = {"markov_rank": rank or 1, "markov_head_type": d.get("markov_head_type", "vanilla") if rank else "vanilla",
-            "enable_confidence_head": True, "confidence_head_with_markov": True, "sample_from_anchor": True}
-    fills = () if rank else ("markov",)
-    if not d.get("enable_confidence_head", True):
-        fills += ("confidence",)
-    elif not (rank and d.get("confidence_head_with_markov", True)):
-        fills += ("confidence_markov_input",)
-    return keys, fills
+def _head_keys(h: Head, d: dict) -> tuple[dict, tuple[str, ...]]:
+    """The head's keys as our export writes them, and the parts the checkpoint lacks (`Foreign.heads`)."""
+    if h.foreign.heads is not None:
+        return h.foreign.heads(d)
+    return {key: d[key] for key, _ in h.export.keys if key in d}, ()
+
+
+def _place_keys(h: Head, zlab: dict, keys: dict) -> None:
+    """Where our export writes the head's keys: the top level or `dflash_config` (model/drafter/head.py Export)."""
+    (zlab if h.export.top_level else zlab["dflash_config"]).update(keys)
 
 
 def _layer_config(d: dict, source: str):
@@ -186,7 +194,7 @@ def _layer_config(d: dict, source: str):
 
 
 def _from_speculators(d: dict, source: str, num_target_layers: int | None) -> dict:
-    kind = _check_speculators(d, source)
+    h = _check_speculators(d, source)
     if num_target_layers is None:
         raise UnsupportedDrafter(source, "speculators_config.verifier", "the format records no verifier layer "
                                  "count: load the drafter with its target")
@@ -202,7 +210,7 @@ def _from_speculators(d: dict, source: str, num_target_layers: int | None) -> di
     types = list(getattr(layer, "layer_types", None) or [FULL] * n)
     ids = [i - 1 for i in d["aux_hidden_state_layer_ids"]]  # HF hidden_states index -> z-lab decoder layer id
     zlab = {
-        "architectures": [SPECULATORS_ARCHITECTURES[kind]], "model_type": "qwen3", "block_size": d["block_size"],
+        "architectures": [h.export.architectures[0]], "model_type": "qwen3", "block_size": d["block_size"],
         "num_target_layers": num_target_layers,
         "dflash_config": {"mask_token_id": d["mask_token_id"], "target_layer_ids": ids, "block_size": d["block_size"]},
         "hidden_size": layer.hidden_size, "intermediate_size": layer.intermediate_size, "num_hidden_layers": n,
@@ -214,25 +222,23 @@ def _from_speculators(d: dict, source: str, num_target_layers: int | None) -> di
         "sliding_window": layer.sliding_window if SLIDING in types else None, "vocab_size": layer.vocab_size,
         "bos_token_id": getattr(layer, "bos_token_id", None), "eos_token_id": getattr(layer, "eos_token_id", None),
     }
-    if SLIDING in types and d.get("sliding_window_non_causal", kind == "dflash2"):  # the config classes' defaults
+    if SLIDING in types and d.get("sliding_window_non_causal", h.foreign.window_non_causal):  # the class's default
         zlab["is_causal"] = False
-    if kind == "dflash2":
-        zlab["dflash_config"].update({k: d[k] for k in DFLASH2_FIELDS if k in d})
-    fills = ()
-    if kind == "dspark":
-        keys, fills = _dspark_heads(d)
-        zlab.update(keys)
-    return zlab, fills
+    keys, missing = _head_keys(h, d)
+    _place_keys(h, zlab, keys)
+    return zlab, missing
 
 
 def _from_deepspec(d: dict, source: str, num_target_layers: int | None) -> dict:
     _check_deepspec(d, source)
     _check_act(d.get("hidden_act"), source, "hidden_act")
-    zlab = {k: v for k, v in d.items() if k not in ("rope_parameters", "rope_scaling", *DSPARK_FIELDS)}
+    h = _deepspec_head(d)
+    zlab = {k: v for k, v in d.items() if k not in ("rope_parameters", "rope_scaling", *h.export.written())}
     zlab["rope_theta"] = _rope_theta(d, source)
     zlab.setdefault("head_dim", d["hidden_size"] // d["num_attention_heads"])
-    keys, fills = _dspark_heads({**d, "enable_confidence_head": d.get("enable_confidence_head", False)})
-    return {**zlab, **keys}, fills  # DeepSpec's slot k drafts anchor + k + 1 (its label offsets 1..B)
+    keys, missing = _head_keys(h, {**dict(h.foreign.deepspec_defaults), **d})
+    _place_keys(h, zlab, keys)
+    return zlab, missing  # DeepSpec's slot k drafts anchor + k + 1 (its label offsets 1..B)
 
 
 def _from_zlab(d: dict, source: str, num_target_layers: int | None) -> dict:
@@ -278,27 +284,14 @@ def _read_weights(model_dir: Path) -> dict:
     return tensors
 
 
-def _filled(tensors: dict, cfg, fills: tuple[str, ...]) -> dict:
-    """The heads a checkpoint lacks, as `_dspark_heads` says drafting reads them: zeros."""
-    import torch
-
-    h, r, v = cfg.hidden_size, cfg.markov_rank, cfg.vocab_size
-    out = dict(tensors)
-    if "markov" in fills:
-        out["markov_head.markov_w1.weight"], out["markov_head.markov_w2.weight"] = torch.zeros(v, r), torch.zeros(v, r)
-    if "confidence" in fills:
-        out["confidence_head.proj.weight"], out["confidence_head.proj.bias"] = torch.zeros(1, h + r), torch.zeros(1)
-    if "confidence_markov_input" in fills and "confidence_head.proj.weight" in out:
-        w = out["confidence_head.proj.weight"]  # [1, H]: the hidden state alone
-        out["confidence_head.proj.weight"] = torch.cat([w, w.new_zeros(1, r)], dim=-1)
-    return out
+def _filled(tensors: dict, cfg, missing: tuple[str, ...]) -> dict:
+    """The parts a checkpoint lacks, as its head says drafting reads them (`Foreign.fill`)."""
+    return head(cfg.arch).foreign.fill(tensors, cfg, missing) if missing else tensors
 
 
 def _with_weights(cfg, model_dir: Path, dtype, fills: tuple[str, ...] = ()):
     """Our drafter of `cfg` holding the directory's weights (the frozen target copies left out)."""
     import torch
-
-    from dflash_train.model.drafter.heads.architectures import build_drafter
 
     tensors = _filled({k: v for k, v in _read_weights(model_dir).items() if k not in FROZEN_COPIES}, cfg, fills)
     with torch.device("meta"):
@@ -317,10 +310,8 @@ def _with_weights(cfg, model_dir: Path, dtype, fills: tuple[str, ...] = ()):
 
 
 def _notes(fmt: str, cfg, d: dict, fills: tuple[str, ...]) -> tuple[str, ...]:
-    notes = [{"markov": "no Markov head in the checkpoint: ours with a zero bias",
-              "confidence": "no confidence head in the checkpoint (drafting reads none)",
-              "confidence_markov_input": "its confidence head reads the hidden state alone: ours with zero weights "
-                                         "on the Markov input"}[f] for f in fills]
+    said = dict(head(cfg.arch).foreign.notes) if fills else {}
+    notes = [said[part] for part in fills]
     if fmt == "speculators" and SLIDING in cfg.layer_types:
         notes.append(f"speculators trains sliding layers with context back to anchor - {cfg.sliding_window}, we "
                      f"decode with each row's own window of {cfg.sliding_window}: the same while a text is shorter")

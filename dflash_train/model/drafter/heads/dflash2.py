@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from dflash_train.model.drafter.backbone import DFlashDecoderLayer, DFlashDrafter, anchor_ids
 from dflash_train.model.drafter.shape import DrafterShape
-from dflash_train.model.drafter.head import SGLANG, VLLM, Engine, Export, Head, must_be_positive
+from dflash_train.model.drafter.head import SGLANG, VLLM, Engine, Export, Foreign, Head, must_be_positive
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,4 +217,6 @@ HEAD = Head(
                                                       "selector_top_k"))),
     engines=(Engine(VLLM, "dflash"), Engine(SGLANG, "DFLASH", extra_tokens=1)),
     problems=_problems, parameters=_parameters, outside_muon=("codebook",), small=(("selector_rank", 16),),
+    # speculators' DFlash 2 config class trains its sliding layers non-causal inside the block by default
+    foreign=Foreign(speculators_type="dflash2", window_non_causal=True),
 )

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from dflash_train.model.drafter.backbone import DFlashDrafter, anchor_ids, as_blocks, draw
 from dflash_train.model.drafter.shape import DrafterShape
-from dflash_train.model.drafter.head import SGLANG, VLLM, Engine, Export, Head, must_be_positive
+from dflash_train.model.drafter.head import SGLANG, VLLM, Engine, Export, Foreign, Head, must_be_positive
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
@@ -169,6 +169,47 @@ def _parameters(cfg) -> int:
     return 2 * cfg.vocab_size * r + h + r + 1 + form
 
 
+def _foreign_heads(d: dict) -> tuple[dict, tuple[str, ...]]:
+    """Our keys for another trainer's DSpark config, and the parts it lacks, which drafting reads as ours with
+    zeros: no Markov head is a zero bias (rank 1, W2 = 0); no confidence head is never read when drafting; one
+    that reads the hidden state alone is ours with zero weights on the Markov input. (DeepSpec's DFlash is
+    such a DSpark: drafting from the anchor's slot, with neither head.)"""
+    rank = d.get("markov_rank", 256)  # speculators' default; DeepSpec always writes it
+    keys = {"markov_rank": rank or 1, "markov_head_type": d.get("markov_head_type", "vanilla") if rank else "vanilla",
+            "enable_confidence_head": True, "confidence_head_with_markov": True, "sample_from_anchor": True}
+    missing = () if rank else ("markov",)
+    if not d.get("enable_confidence_head", True):
+        missing += ("confidence",)
+    elif not (rank and d.get("confidence_head_with_markov", True)):
+        missing += ("confidence_markov_input",)
+    return keys, missing
+
+
+def _fill_missing(tensors: dict, cfg, missing: tuple[str, ...]) -> dict:
+    """The parts `_foreign_heads` found missing, as drafting reads them: zeros."""
+    h, r, v = cfg.hidden_size, cfg.markov_rank, cfg.vocab_size
+    out = dict(tensors)
+    if "markov" in missing:
+        out["markov_head.markov_w1.weight"], out["markov_head.markov_w2.weight"] = torch.zeros(v, r), torch.zeros(v, r)
+    if "confidence" in missing:
+        out["confidence_head.proj.weight"], out["confidence_head.proj.bias"] = torch.zeros(1, h + r), torch.zeros(1)
+    if "confidence_markov_input" in missing and "confidence_head.proj.weight" in out:
+        w = out["confidence_head.proj.weight"]  # [1, H]: the hidden state alone
+        out["confidence_head.proj.weight"] = torch.cat([w, w.new_zeros(1, r)], dim=-1)
+    return out
+
+
+FOREIGN = Foreign(
+    speculators_type="dspark", from_anchor=True, deepspec=True,
+    deepspec_defaults=(("enable_confidence_head", False),),  # DeepSpec's config class; speculators' is True
+    heads=_foreign_heads, fill=_fill_missing,
+    notes=(("markov", "no Markov head in the checkpoint: ours with a zero bias"),
+           ("confidence", "no confidence head in the checkpoint (drafting reads none)"),
+           ("confidence_markov_input", "its confidence head reads the hidden state alone: ours with zero weights "
+                                       "on the Markov input")),
+)
+
+
 def _refusals(cfg) -> dict[str, str]:
     if cfg.markov_head_type == "vanilla":
         return {}
@@ -192,4 +233,5 @@ HEAD = Head(
                   top_level=True, also_read=(("DSparkDraftModel",),)),
     engines=(Engine(VLLM, "dspark"), Engine(SGLANG, "DSPARK", extra_tokens=1)), refusals=_refusals,
     problems=_problems, parameters=_parameters, outside_muon=("markov",), small=(("markov_rank", 16),),
+    foreign=FOREIGN,
 )

@@ -4,9 +4,11 @@ its parameters counted by the plan (against the built module), an export that re
 the serving check, and greedy speculative decoding equal to the target's greedy decoding. DSpark's
 Markov head forms run through the same tests."""
 
+import ast
 import dataclasses
 import json
 import typing
+from pathlib import Path
 
 import pytest
 import torch
@@ -221,3 +223,40 @@ def test_the_memory_plan_of_a_run_counts_its_head():
         assert states[name] == per_param * plan.drafter_params(d)
     assert all(states[name] > states["dflash"] for name in HEAD_NAMES if HEADS[name].parameters is not
                HEADS["dflash"].parameters)
+
+
+HEAD_FILES = {"model/drafter/backbone.py", "model/drafter/shape.py", "model/drafter/heads/architectures.py"}
+"""The base head's file, the one default of `drafter.arch`, the registry; the head files under heads/ too."""
+CHOOSERS = {"recipes.py"}
+"""Files that choose a head the way a user does, by name (a recipe is configuration)."""
+
+
+PACKAGE = Path(architectures.__file__).resolve().parents[3]  # dflash_train/
+
+
+def _head_names_outside_the_heads(root: Path) -> list[str]:
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel in HEAD_FILES | CHOOSERS or rel.startswith("model/drafter/heads/"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and node.value in HEADS:
+                found.append(f"{rel}:{node.lineno}: {node.value!r}")
+            elif isinstance(node, ast.Compare) and ast.unparse(node.left).split(".")[-1] == "arch":
+                found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
+    return found
+
+
+def test_nothing_outside_the_heads_and_the_registry_names_a_head():
+    """Issue 40's check: no `arch ==` and no head-name string outside the heads, the registry and the recipes."""
+    assert _head_names_outside_the_heads(PACKAGE) == []
+
+
+def test_the_head_name_scan_reports_a_head_name_and_an_arch_comparison(tmp_path):
+    """The scan above can fail: a module naming a head and comparing `arch` is reported with its line; the head
+    files are not."""
+    (tmp_path / "model/drafter/heads").mkdir(parents=True)
+    (tmp_path / "model/drafter/heads/mine.py").write_text('NAME = "dspark"\n')
+    (tmp_path / "export.py").write_text('def f(cfg):\n    return cfg.arch == "domino"\n')
+    assert _head_names_outside_the_heads(tmp_path) == ["export.py:2: cfg.arch == 'domino'", "export.py:2: 'domino'"]
