@@ -366,14 +366,14 @@ def flops_for(tcfg, dcfg, *, seq_len: int, num_anchors: int, batch: int, mean_ct
                         markov_rank=dcfg.markov_rank if arch == "dspark" else 0)
 
 
-def muon_flops(dcfg, iterations: int, iteration: str = "newton_schulz") -> float:
+def muon_flops(dcfg, iterations: int, iteration: str = "newton_schulz", gram_blocks: int | None = None) -> float:
     """Newton-Schulz FLOPs of one Muon step over the drafter's hidden matrices (`bench/flops.py`), the
-    Gram form's where `iteration` is gram."""
+    Gram form's where `iteration` is gram, with `gram_blocks` symmetric blocks where gram_symmetric."""
     from bench.flops import drafter_matrix_shapes, newton_schulz_flops
 
     shapes = drafter_matrix_shapes(dcfg.hidden_size, dcfg.num_heads, dcfg.num_kv_heads, dcfg.head_dim,
                                    dcfg.intermediate_size, dcfg.num_layers, dcfg.num_taps)
-    return newton_schulz_flops(shapes, iterations, iteration)
+    return newton_schulz_flops(shapes, iterations, iteration, gram_blocks)
 
 
 def compile_counters() -> dict:

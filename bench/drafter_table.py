@@ -30,6 +30,13 @@ ARMS = {  # name: (extra flags, runs on the old tree too)
     "dspark_kl_muon_mb8": (DSPARK + ["--loss", "kl", "--optim", "muon", "--micro-batches", "8"], False),
     "dspark_kl_muon_ns_mb8": (DSPARK + ["--loss", "kl", "--optim", "muon", "--muon-iteration", "newton_schulz",
                                         "--micro-batches", "8"], False),
+    "dspark_kl_muon_sym": (DSPARK + ["--loss", "kl", "--optim", "muon", "--muon-iteration", "gram_symmetric"], False),
+    "dspark_kl_muon_sym8": (DSPARK + ["--loss", "kl", "--optim", "muon", "--muon-iteration", "gram_symmetric",
+                                      "--muon-gram-blocks", "8"], False),
+    "dspark_kl_muon_sym_mb8": (DSPARK + ["--loss", "kl", "--optim", "muon", "--muon-iteration", "gram_symmetric",
+                                         "--micro-batches", "8"], False),
+    "dspark_kl_muon_sym8_mb8": (DSPARK + ["--loss", "kl", "--optim", "muon", "--muon-iteration", "gram_symmetric",
+                                          "--muon-gram-blocks", "8", "--micro-batches", "8"], False),
     "gpu_recipe": (DSPARK + ["--loss", "tv", "--weighting", "dpace", "--optim", "muon"], False),
 }
 

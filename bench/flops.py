@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MUON_ITERATIONS = ("newton_schulz", "gram")  # polar_express: newton_schulz's FLOPs
+MUON_ITERATIONS = ("newton_schulz", "gram", "gram_symmetric")  # polar_express: newton_schulz's FLOPs
 
 # The issue's reference figures (Issue 8), per sequence, paper config.
 ISSUE_DRAFTER_TFLOP = 72.5
@@ -140,20 +140,28 @@ def dflash_flops(*, hidden: int, num_heads: int, num_kv_heads: int, head_dim: in
             "tokens": batch * S, "attention_convention": attention}
 
 
-def newton_schulz_flops(shapes, iterations: int = 5, iteration: str = "newton_schulz") -> float:
+def newton_schulz_flops(shapes, iterations: int = 5, iteration: str = "newton_schulz",
+                        gram_blocks: int | None = None) -> float:
     """FLOPs of Muon's orthogonalisation of matrices `shapes` [(A, B), ...] per optimizer step
     (`optim.muon_iteration`): per iteration on the short side m <= n, X X^T (2 m^2 n), the quintic's
     G G (2 m^3) and (.) X (2 m^2 n); `gram` runs the Gram form on the wide matrices where it takes
-    fewer FLOPs (5 iterations: 28 m^3 + 8 m^2 n). The one count: train/optim/muon.py `ns_flops`, checked
-    against torch's FlopCounterMode in tests/train/optim/test_muon_step.py."""
+    fewer FLOPs (5 iterations: 28 m^3 + 8 m^2 n); `gram_symmetric` its symmetric products on the upper
+    block triangle (`gram_blocks`, default optim.muon_gram_blocks), on every shape where that is cheaper.
+    The one count: train/optim/muon.py `ns_flops`, checked against torch's FlopCounterMode in
+    tests/train/optim/test_muon_step.py and test_muon_symmetric.py."""
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
+    from dflash_train.config import OptimConfig
     from dflash_train.train.optim.muon import ns_flops, uses_gram
 
+    blocks = 1
+    if iteration == "gram_symmetric":
+        blocks = OptimConfig().muon_gram_blocks if gram_blocks is None else gram_blocks
     total = 0.0
     for a, b in shapes:
         m, n = min(a, b), max(a, b)
-        total += ns_flops(m, n, iterations, gram=iteration == "gram" and uses_gram(m, n, iterations))
+        gram = iteration in ("gram", "gram_symmetric") and uses_gram(m, n, iterations, blocks)
+        total += ns_flops(m, n, iterations, gram=gram, blocks=blocks)
     return total
 
 

@@ -207,14 +207,20 @@ class OptimConfig:
     """Muon's (Nesterov) momentum, in [0, 1)."""
     muon_ns_steps: int = 5
     """Newton-Schulz iterations per Muon step (torch's default; each costs ~3 matmuls per matrix)."""
-    muon_iteration: Literal["newton_schulz", "polar_express", "gram"] = "gram"
+    muon_iteration: Literal["newton_schulz", "polar_express", "gram", "gram_symmetric"] = "gram"
     """How Muon orthogonalises (train/optim/muon.py): gram (the default) = torch's quintic in the Gram form of Dao AI Lab's
     "Gram Newton-Schulz" (2026) on every wide matrix (long side > 1.5x the short; square ones keep the standard
     form), float16 on CUDA: the same polynomial in 21 % fewer FLOPs at the paper shapes (101.3 -> 79.5 TFLOP per
     step), closer to the float64 polynomial than newton_schulz's bf16 and the same training loss on the CPU
     golden run (docs/PERF.md 3.7) | newton_schulz = torch.optim.Muon's fixed quintic, its update bit for bit |
     polar_express = Polar Express's per-iteration coefficients (arXiv 2505.16932), the first muon_ns_steps (<= 5)
-    of its 5-step schedule: closer to orthogonal than torch's at 5 iterations, not at 4 (docs/PERF.md)."""
+    of its 5-step schedule: closer to orthogonal than torch's at 5 iterations, not at 4 (docs/PERF.md) |
+    gram_symmetric = gram with every product whose result is symmetric (all but the last X <- Q X) computed on
+    its upper block triangle (muon_gram_blocks; train/optim/symmetric.py), on every shape the square ones
+    included: 79.5 -> 58.5 TFLOP per step at the paper shapes with 4 blocks (54.3 with 8); its GPU speed is not
+    measured yet (docs/PERF.md 3.7)."""
+    muon_gram_blocks: int = 4
+    """Block rows k of gram_symmetric's products (2..32): (k + 1) / 2k of their FLOPs, in k matmuls each."""
 
 
 RESUME_CHANGEABLE = ("data", "target", "tokenizer", "drafter")  # train.allow_changed's values

@@ -103,6 +103,9 @@ def config_problems(cfg: RunConfig) -> list[str]:
     if cfg.optim.muon_iteration == "polar_express" and not 1 <= cfg.optim.muon_ns_steps <= 5:
         problems.append(f"optim.muon_ns_steps={cfg.optim.muon_ns_steps} with optim.muon_iteration=polar_express: "
                         "must be in 1..5 (the iterations of its published schedule)")
+    if cfg.optim.muon_iteration == "gram_symmetric" and not 2 <= cfg.optim.muon_gram_blocks <= 32:
+        problems.append(f"optim.muon_gram_blocks={cfg.optim.muon_gram_blocks} with optim.muon_iteration="
+                        "gram_symmetric: must be in 2..32 (block rows of its symmetric products; 1 block is optim.muon_iteration=gram)")
     if cfg.target.layer_ids is not None and (min(cfg.target.layer_ids, default=0) < 0 or not cfg.target.layer_ids):
         problems.append(f"target.layer_ids={cfg.target.layer_ids}: expected non-negative layer indices")
     unknown = [part for part in cfg.train.allow_changed if part not in RESUME_CHANGEABLE]

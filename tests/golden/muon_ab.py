@@ -2,8 +2,10 @@
 Qwen3, CPU, float32) trained with Muon under each `optim.muon_iteration`, side by side. By hand only:
 
     python tests/golden/muon_ab.py [--steps 48] [--arms newton_schulz,gram,gram_fp16,polar_express]
+    python tests/golden/muon_ab.py --steps 64 --arms newton_schulz,gram_symmetric,gram_symmetric_fp16
 
-`gram_fp16` is the Gram form in the GPU's float16 (on a CPU `gram` runs it in float32, docs/PERF.md 3.7).
+`gram_fp16` (`gram_symmetric_fp16`) is the Gram form (its symmetric products, optim.muon_gram_blocks' default)
+in the GPU's float16 (on a CPU `gram` runs it in float32, docs/PERF.md 3.7).
 Prints every arm's losses, each arm's largest and mean |loss - newton_schulz's| and its final loss;
 docs/PERF.md 3.7 holds the figures."""
 
@@ -28,10 +30,10 @@ from dflash_train.train.loop import train  # noqa: E402
 
 
 def losses(target_dir: Path, out_dir: Path, arm: str, steps: int) -> list[float]:
-    iteration = "gram" if arm == "gram_fp16" else arm
+    iteration = arm.removesuffix("_fp16")
     real = muon.gram_orthogonalise
-    if arm == "gram_fp16":
-        muon.gram_orthogonalise = lambda x, *args: real(x, *args[:3], torch.float16)
+    if arm.endswith("_fp16"):  # args: coefficients, safety, eps, dtype, blocks
+        muon.gram_orthogonalise = lambda x, *args: real(x, *args[:3], torch.float16, *args[4:])
     try:
         train(golden_config(target_dir, out_dir, "optim.name=muon", f"optim.muon_iteration={iteration}",
                             f"train.max_steps={steps}", "train.epochs=100", "train.eval_every=1000",

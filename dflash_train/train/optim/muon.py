@@ -39,6 +39,13 @@ the same polynomial, 101.3 -> 79.5 TFLOP per step at the paper shapes. Its float
 closer to the float64 polynomial than the standard form's bf16, and the CPU golden run's losses follow
 the standard form's within 0.003 over 64 steps (docs/PERF.md 3.7): that is why it is the default;
 `newton_schulz` is torch.optim.Muon's update bit for bit, the tests' reference.
+`optim.muon_iteration=gram_symmetric` is `gram` with every product whose result is symmetric (all but the
+final X <- Q X: the [m, m] iterates are polynomials in one Gram matrix, which commute) computed on its
+upper block triangle of `optim.muon_gram_blocks` = k blocks and mirrored (train/optim/symmetric.py):
+(k + 1) / 2k of those products' FLOPs, which makes the Gram form cheaper than the standard one on the
+square q and o too, 79.5 -> 58.5 TFLOP per step at the paper shapes with k = 4 (54.3 with 8). Equal to
+`gram` with full products in float64 (tests/train/optim/test_muon_symmetric.py); its GPU speed is not
+measured yet, so `gram` stays the default.
 On CUDA the module's parameters are bf16 (what the matmuls read) and Muon runs on float32 masters,
 as `optim.MasterWeightAdamW` does for the AdamW part: the bf16 weight is the master rounded.
 """
@@ -53,6 +60,7 @@ import torch
 import torch.distributed as dist
 
 from dflash_train.model.drafter.heads.architectures import outside_muon
+from dflash_train.train.optim.symmetric import padded, symmetric_baddbmm, symmetric_flops
 
 MUON_EXCLUDED = ("embed_tokens", "lm_head")  # the target's tables, should they ever be trained
 TORCH_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's quintic)
@@ -64,7 +72,7 @@ POLAR_EXPRESS = (  # per iteration (a, b, c); arXiv 2505.16932, modded-nanogpt's
     (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
 )
 POLAR_EXPRESS_SAFETY = 1.02  # the spectral norm bound's margin for bf16 rounding
-ITERATIONS = ("newton_schulz", "polar_express", "gram")
+ITERATIONS = ("newton_schulz", "polar_express", "gram", "gram_symmetric")
 EPS = 1e-7  # torch.optim.Muon's
 
 
@@ -93,8 +101,8 @@ def describe_split(muon: list, adamw: list) -> str:
 
 def ns_schedule(iteration: str, ns_steps: int) -> tuple[tuple[tuple[float, float, float], ...], float]:
     """(coefficients per iteration, norm safety factor) of `optim.muon_iteration` at `muon_ns_steps`
-    (`gram` runs torch's coefficients; its form is chosen per batch by `orthogonalise`)."""
-    if iteration in ("newton_schulz", "gram"):
+    (`gram` and `gram_symmetric` run torch's coefficients; the form is chosen per batch by `orthogonalise`)."""
+    if iteration in ("newton_schulz", "gram", "gram_symmetric"):
         return (TORCH_COEFFICIENTS,) * ns_steps, 1.0
     if iteration == "polar_express":
         if not 1 <= ns_steps <= len(POLAR_EXPRESS):
@@ -105,19 +113,20 @@ def ns_schedule(iteration: str, ns_steps: int) -> tuple[tuple[tuple[float, float
 
 
 def orthogonalise(updates: torch.Tensor, coefficients, safety: float = 1.0, eps: float = EPS,
-                  gram: bool = False) -> torch.Tensor:
+                  gram: bool = False, blocks: int = 1) -> torch.Tensor:
     """The Newton-Schulz iteration of torch.optim.Muon over a batch: updates [n, A, B] -> bf16 [n, A, B].
     Each matrix is scaled to Frobenius norm <= 1 (spectral norm <= 1), then X <- a X + (b G + c G^2) X
     with G = X X^T on the short side, one batched matmul per product. `gram`: the Gram form instead
     where it takes fewer FLOPs (`uses_gram`), in float16 on CUDA (float32 elsewhere: a CPU's float16
-    matmul runs ~60x slower than its bf16, measured on the team's box)."""
+    matmul runs ~60x slower than its bf16, measured on the team's box); `blocks` > 1: its symmetric
+    products on the upper block triangle (`gram_orthogonalise`), and the choice made at that cost."""
     x = updates.bfloat16()
     tall = x.shape[-2] > x.shape[-1]
     if tall:
         x = x.mT
-    if gram and uses_gram(*x.shape[-2:], len(coefficients)):
+    if gram and uses_gram(*x.shape[-2:], len(coefficients), blocks):
         dtype = torch.float16 if x.is_cuda else torch.float32
-        x = gram_orthogonalise(x, coefficients, safety, eps, dtype).bfloat16()
+        x = gram_orthogonalise(x, coefficients, safety, eps, dtype, blocks).bfloat16()
         return x.mT if tall else x
     norm = x.norm(dim=(-2, -1), keepdim=True)  # [n, 1, 1]
     x = x / (norm if safety == 1.0 else norm * safety).clamp(min=eps)
@@ -134,7 +143,7 @@ def gram_restarts(steps: int) -> range:
 
 
 def gram_orthogonalise(x: torch.Tensor, coefficients, safety: float = 1.0, eps: float = EPS,
-                       dtype: torch.dtype = torch.float16) -> torch.Tensor:
+                       dtype: torch.dtype = torch.float16, blocks: int = 1) -> torch.Tensor:
     """The iteration of `orthogonalise` on the Gram matrix: x [n, m, k] (m <= k) -> [n, m, k] in `dtype`.
     With R = X X^T and Z = b R + c R^2, one step X <- (a I + Z) X is R <- (a I + Z) R (a I + Z) and
     Q <- (a I + Z) Q (polynomials in R commute), all [m, m]; X is read at the start, at each restart
@@ -145,46 +154,61 @@ def gram_orthogonalise(x: torch.Tensor, coefficients, safety: float = 1.0, eps: 
     standard form in bf16); restarted (`gram_restarts`) because R, carried by products only, drifts
     from X X^T: a rounding that makes an eigenvalue r of R slightly negative is multiplied by
     (a + b r + c r^2)^2 >= a^2 ~ 12 per iteration (b < 0) until R is recomputed from X (without the
-    restart, singular values of 2-2.4 on a 3-decade spectrum: tests/train/optim/test_muon_step.py)."""
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32)  # [n, 1, 1]
+    restart, singular values of 2-2.4 on a 3-decade spectrum: tests/train/optim/test_muon_step.py).
+    `blocks` > 1 (`gram_symmetric`): every product but X <- Q X has a symmetric result and is computed on
+    its upper block triangle (train/optim/symmetric.py), m padded with zero rows to a multiple of
+    `blocks` (they stay zero: R's padded rows and columns are 0, Q's a power of a on the diagonal)."""
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True,  # [n, 1, 1], float64 for a float64 test
+                                     dtype=torch.promote_types(x.dtype, torch.float32))
     x = torch.div(x, (norm * safety).clamp(min=eps), out=torch.empty(x.shape, dtype=dtype, device=x.device))
+    m = x.shape[-2]
+    if padded(m, blocks) > m:
+        x = torch.nn.functional.pad(x, (0, 0, 0, padded(m, blocks) - m))
+
+    def sym(base, left, right, beta=1.0, alpha=1.0):  # beta base + alpha left right, a symmetric result
+        return symmetric_baddbmm(base, left, right, beta, alpha, blocks)
+
     restarts = gram_restarts(len(coefficients))
-    r, q = x @ x.mT, None  # [n, m, m]
+    r, q = sym(None, x, x.mT), None  # [n, m, m]
     for i, (a, b, c) in enumerate(coefficients):
         if i in restarts:
             x = q @ x
-            r, q = x @ x.mT, None
-        z = torch.baddbmm(r, r, r, beta=b, alpha=c)  # b R + c R^2
+            r, q = sym(None, x, x.mT), None
+        z = sym(r, r, r, beta=b, alpha=c)  # b R + c R^2
         if q is None:
             q = z.clone()
             q.diagonal(dim1=-2, dim2=-1).add_(a)  # a I + Z
         else:
-            q = torch.baddbmm(q, q, z, beta=a)  # a Q + Q Z
+            q = sym(q, q, z, beta=a)  # a Q + Q Z
         if i + 1 < len(coefficients) and i + 1 not in restarts:
-            rz = torch.baddbmm(r, r, z, beta=a)  # a R + R Z
-            r = torch.baddbmm(rz, z, rz, beta=a)  # a RZ + Z RZ = (a I + Z) R (a I + Z)
-    return q @ x
+            rz = sym(r, r, z, beta=a)  # a R + R Z
+            r = sym(rz, z, rz, beta=a)  # a RZ + Z RZ = (a I + Z) R (a I + Z)
+    return (q @ x)[:, :m]
 
 
-def ns_flops(short: int, long: int, steps: int, gram: bool = False) -> int:
+def ns_flops(short: int, long: int, steps: int, gram: bool = False, blocks: int = 1) -> int:
     """Matmul FLOPs of orthogonalising one [short, long] matrix (2 m k n per [m, k] x [k, n]): the
-    standard form per iteration X X^T, R R and (.) X; the Gram form as `gram_orthogonalise` runs it."""
-    m, n = short, long
+    standard form per iteration X X^T, R R and (.) X; the Gram form as `gram_orthogonalise` runs it,
+    with `blocks` > 1 its symmetric products on the upper block triangle ((k + 1) / 2k of theirs, m padded
+    to a multiple of k): 5 steps, m | k, (28 m^3 + 4 m^2 n) (k + 1) / 2k + 4 m^2 n."""
+    m, n = padded(short, blocks), long
     if not gram:
-        return steps * (4 * m * m * n + 2 * m ** 3)
+        return steps * (4 * short * short * n + 2 * short ** 3)
+    square, gram_matrix, general = symmetric_flops(m, m, blocks), symmetric_flops(m, n, blocks), 2 * m * m * n
     restarts = gram_restarts(steps)
-    total = 2 * m * m * n + 2 * m * m * n  # R = X X^T at the start, Q X at the end
+    total = gram_matrix + general  # R = X X^T at the start, Q X at the end
     for i in range(steps):
-        total += 4 * m * m * n if i in restarts else 0  # X <- Q X, R <- X X^T
-        total += 2 * m ** 3 if i == 0 or i in restarts else 4 * m ** 3  # R^2; Q Z after the first of a run
-        total += 4 * m ** 3 if i + 1 < steps and i + 1 not in restarts else 0  # R Z, Z (R Z)
+        total += general + gram_matrix if i in restarts else 0  # X <- Q X, R <- X X^T
+        total += square if i == 0 or i in restarts else 2 * square  # R^2; Q Z after the first of a run
+        total += 2 * square if i + 1 < steps and i + 1 not in restarts else 0  # R Z, Z (R Z)
     return total
 
 
-def uses_gram(short: int, long: int, steps: int) -> bool:
-    """Whether `gram` runs a [short, long] batch in the Gram form: when it takes fewer FLOPs (5 steps:
-    28 m^3 + 8 m^2 n against 10 m^3 + 20 m^2 n, i.e. long > 1.5 short)."""
-    return ns_flops(short, long, steps, gram=True) < ns_flops(short, long, steps)
+def uses_gram(short: int, long: int, steps: int, blocks: int = 1) -> bool:
+    """Whether `gram` (`gram_symmetric` with `blocks`) runs a [short, long] batch in the Gram form: when it
+    takes fewer FLOPs than the standard form (5 steps: 28 m^3 + 8 m^2 n against 10 m^3 + 20 m^2 n, i.e.
+    long > 1.5 short; symmetric at k = 4, 17.5 m^3 + 6.5 m^2 n: every shape, the square ones included)."""
+    return ns_flops(short, long, steps, gram=True, blocks=blocks) < ns_flops(short, long, steps)
 
 
 def _advance_momentum(grads, bufs, scale, keep, momentum: float) -> None:
@@ -214,15 +238,20 @@ def _apply_update(params, lows, orthos, decay, neg_lr, keep) -> None:
 class Muon(torch.optim.Optimizer):
     """torch.optim.Muon's update and state_dict layout (momentum_buffer per parameter; torch's group
     keys), stepped by `update` with the gradients given (module doc). `orthogonalised` counts the
-    matrices this rank ran through the iteration."""
+    matrices this rank ran through the iteration. `gram_blocks`: `optim.muon_gram_blocks`, read by
+    `gram_symmetric` only."""
 
     def __init__(self, params, *, lr: float, weight_decay: float, momentum: float, ns_steps: int,
-                 iteration: str = "newton_schulz", compiled: bool = False):
+                 iteration: str = "newton_schulz", compiled: bool = False, gram_blocks: int = 1):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=True,
                                       ns_coefficients=TORCH_COEFFICIENTS, eps=EPS, ns_steps=ns_steps,
                                       adjust_lr_fn="match_rms_adamw"))
         self.schedule = ns_schedule(iteration, ns_steps)
-        self.gram = iteration == "gram"
+        self.gram = iteration in ("gram", "gram_symmetric")
+        self.blocks = gram_blocks if iteration == "gram_symmetric" else 1
+        if iteration == "gram_symmetric" and gram_blocks < 2:
+            raise ValueError(f"optim.muon_iteration=gram_symmetric needs optim.muon_gram_blocks >= 2, got "
+                             f"{gram_blocks} (1 block is optim.muon_iteration=gram)")
         self.compiled = compiled
         self.rank, self.world, self.group = 0, 1, None
         self.orthogonalised = 0
@@ -260,7 +289,7 @@ class Muon(torch.optim.Optimizer):
             if mine:
                 stacked = self._nesterov([grads[i] for i in mine], [bufs[i] for i in mine], scale, group["momentum"],
                                          tuple(tall[i] for i in mine))
-                ortho = orthogonalise(stacked, *self.schedule, gram=self.gram)
+                ortho = orthogonalise(stacked, *self.schedule, gram=self.gram, blocks=self.blocks)
                 self.orthogonalised += len(mine)
             ortho = self._gathered(ortho, len(index), shape, params[0].device).unbind(0)
             self._apply([params[i] for i in index], None if lows is None else [lows[i] for i in index],
@@ -310,12 +339,14 @@ class MuonAdamW(torch.optim.Optimizer):
     `optim.step_unless`, as for the fused AdamW)."""
 
     def __init__(self, muon_params: list[torch.Tensor], adamw, *, lr: float, weight_decay: float, momentum: float,
-                 ns_steps: int, master: bool, iteration: str = "newton_schulz", compiled: bool = False):
+                 ns_steps: int, master: bool, iteration: str = "newton_schulz", compiled: bool = False,
+                 gram_blocks: int = 1):
         self.adamw = adamw  # MasterWeightAdamW (with `master`) or torch's AdamW, over the other parameters
         self.params = list(muon_params)  # the module's Muon parameters (bf16 with `master`)
         self.masters = [p.detach().float().clone() for p in self.params] if master else None
         self.muon = Muon(self.masters if master else self.params, lr=lr, weight_decay=weight_decay,
-                         momentum=momentum, ns_steps=ns_steps, iteration=iteration, compiled=compiled)
+                         momentum=momentum, ns_steps=ns_steps, iteration=iteration, compiled=compiled,
+                         gram_blocks=gram_blocks)
         self.param_dtype = getattr(adamw, "param_dtype", None) if master else None
         self.grad_scale: torch.Tensor | None = None
         self.found_inf: torch.Tensor | None = None

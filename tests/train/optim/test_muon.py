@@ -160,12 +160,12 @@ def test_a_non_finite_step_leaves_weights_and_all_state_untouched(master, bad_fi
 
 
 @pytest.mark.parametrize("master", [True, False])
-@pytest.mark.parametrize("iteration", ["gram", "newton_schulz"])
+@pytest.mark.parametrize("iteration", ["gram", "gram_symmetric", "newton_schulz"])
 def test_resume_equals_the_uninterrupted_run(master, iteration):
     """6 steps against 3, a checkpoint (the float32 weights, the optimizer and scheduler states
     through torch.save / torch.load(weights_only=True), as the Checkpointer stores them) into a
     fresh model of other weights, then 3 more: equal bit for bit, for the Gram form (Mixed's [40, 24]
-    matrices take it) and the standard one. The warm-up moves the lr every step, so a loaded Muon part
+    matrices take it), its symmetric products (optim.muon_gram_blocks' default) and the standard form. The warm-up moves the lr every step, so a loaded Muon part
     that stopped following the scheduler would differ."""
     settings = dict(total_steps=12, warmup_ratio=0.5, muon_iteration=iteration)
     whole, opt_whole, sched_whole = _ours(master, **settings)
@@ -192,7 +192,8 @@ def test_resume_equals_the_uninterrupted_run(master, iteration):
         sched_second.step()
     got, want = _snapshot(second, opt_second), _snapshot(whole, opt_whole)
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
-    assert opt_second.muon.gram == (iteration == "gram") and uses_gram(24, 40, 5)
+    assert opt_second.muon.gram == iteration.startswith("gram") and uses_gram(24, 40, 5)
+    assert opt_second.muon.blocks == (OptimConfig().muon_gram_blocks if iteration == "gram_symmetric" else 1)
     assert [g["lr"] for g in opt_second.muon.param_groups + opt_second.adamw.param_groups] == \
         [g["lr"] for g in opt_whole.param_groups]
 

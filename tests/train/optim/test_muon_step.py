@@ -4,7 +4,8 @@ bf16 rounding of torch's; no host sync in a step; the state_dict is torch's Muon
 checkpoint of the torch-Muon trainer resumes exactly); Polar Express's iteration against a float64
 loop and closer to orthogonal than torch's at equal iterations; the Gram form against the float64
 polynomial (closer than the standard form's bf16), its restarts, and its FLOPs against torch's
-FlopCounterMode; 3 gloo ranks step as one process, each orthogonalising only its share (both forms).
+FlopCounterMode; 3 gloo ranks step as one process, each orthogonalising only its share (each form;
+gram_symmetric's own tests: test_muon_symmetric.py).
 The eager update equals torch.optim.Muon bit for bit: tests/train/optim/test_muon.py."""
 
 import contextlib
@@ -39,12 +40,13 @@ class Stack(nn.Module):
         self.norm = nn.Parameter(1 + 0.1 * torch.randn(24, generator=gen))
 
 
-def _optimizer(model: Stack, master: bool, compiled: bool = False, iteration: str = "newton_schulz"):
+def _optimizer(model: Stack, master: bool, compiled: bool = False, iteration: str = "newton_schulz",
+               gram_blocks: int = 4):
     others = [model.norm]
     adamw = (MasterWeightAdamW(others, lr=LR, betas=(0.9, 0.95), weight_decay=0.01) if master
              else torch.optim.AdamW(others, lr=LR, betas=(0.9, 0.95), weight_decay=0.01))
     opt = MuonAdamW(list(model.mats), adamw, lr=LR, weight_decay=0.1, momentum=0.95, ns_steps=5, master=master,
-                    iteration=iteration, compiled=compiled)
+                    iteration=iteration, compiled=compiled, gram_blocks=gram_blocks)
     if master:
         for p in model.parameters():
             p.data = p.data.bfloat16()
@@ -293,7 +295,8 @@ def test_the_flop_counts_are_what_runs():
 # --- several drafter ranks ----------------------------------------------------------------------
 
 STEPS = 3
-RANK_RUNS = ((False, "newton_schulz"), (True, "newton_schulz"), (True, "gram"))  # (master, iteration)
+RANK_RUNS = ((False, "newton_schulz"), (True, "newton_schulz"), (True, "gram"),
+             (True, "gram_symmetric"))  # (master, iteration)
 
 
 def _spread_run(rank: int, world: int, init_file: str, out_dir: str) -> None:
@@ -318,7 +321,8 @@ def _spread_run(rank: int, world: int, init_file: str, out_dir: str) -> None:
 def test_ranks_step_as_one_process_each_orthogonalising_its_share(world, tmp_path):
     """3 gloo ranks (2 ranks through the whole train_step: tests/train/optim/test_grads.py) with the same (reduced) gradients, 3 steps: every rank's weights equal the
     single process's bit for bit (the bf16 results are gathered, not recomputed), with the standard
-    form and with the Gram form (Stack's [8, 24] batch takes it), and each rank ran only its share
+    form, the Gram form (Stack's [8, 24] batch takes it) and its symmetric products at 4 blocks (every
+    batch takes them, [32, 32] too), and each rank ran only its share
     through the iteration: ceil(n / world) of each shape's n matrices, the last ranks fewer, together
     every matrix once per step."""
     mp.spawn(_spread_run, args=(world, str(tmp_path / "pg"), str(tmp_path)), nprocs=world, join=True)
