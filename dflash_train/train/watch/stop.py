@@ -22,10 +22,10 @@ prints the one INTERRUPTED verdict.
 Ranks that end early (`PeerWatch`). A daemon thread checks every WATCH_EVERY_S that the ranks on
 this host still run (their pids, gathered at start-up); a rank whose process is stopped (SIGSTOP, a
 debugger) is named after STOPPED_NOTICE_S, and the watchdog's message names it when the stall ends the
-job (its peers are not blamed); a rank whose process is gone while the job runs is named: the main thread's error (a gloo `Connection closed by peer`) is explained with its
-rank and role, and if the main thread is stuck (an NCCL collective) the thread ends this process
-itself after GRACE_S, with the verdict line. Ranks on other hosts are named by host from the
-broken connection's address.
+job (its peers are not blamed); a rank whose process is gone while the job runs is named: the main
+thread's error (a gloo `Connection closed by peer`) is explained with its rank and role, and if the
+main thread is stuck (an NCCL collective) the thread ends this process itself after GRACE_S, with the
+verdict line. Ranks on other hosts are named by host from the broken connection's address.
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ class StopFlag:
         self.code, self.at = 0, 0.0
         self.deferring = False  # inside the training loop: a request is voted on, not acted on alone
         self.settled = False  # the job's stop is done: later signals (torchrun's teardown) are ignored
+        self.raised_at = -REPEAT_WINDOW_S  # when a signal last stopped this process at once (StopNow)
         self.phase = "during setup: nothing new was trained; run the same command again (with --resume to continue)"
         for sig in SIGNAL_CODES:
             signal.signal(sig, self._handle)
@@ -71,10 +72,11 @@ class StopFlag:
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
         now = time.monotonic()
-        if self.settled or (self.code and now - self.at < REPEAT_WINDOW_S):
-            return
+        if self.settled or (self.code and now - self.at < REPEAT_WINDOW_S) or now - self.raised_at < REPEAT_WINDOW_S:
+            return  # the same request delivered twice (a launcher's forward, `timeout` and a shell): one stop
         if not self.deferring or self.code:
             print(f"{name}: stopping now", flush=True)
+            self.raised_at = now  # a second copy arriving while the first unwinds would raise out of cleanup
             raise StopNow(f"{name} {self.phase}")
         self.request(SIGNAL_CODES[signum])
         print(f"{name}: every rank stops after one agreed step, which is checkpointed (again to stop at once)",

@@ -106,6 +106,26 @@ def test_one_request_delivered_twice_is_one_and_a_later_signal_stops_at_once(cap
             signal.signal(sig, handler)
 
 
+def test_a_signal_delivered_twice_outside_the_loop_stops_once(capsys):
+    """Seen on README command 1 stopped by `timeout`: the second SIGTERM raised out of the first's cleanup."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    try:
+        flag = StopFlag()
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM during setup"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+        os.kill(os.getpid(), signal.SIGTERM)  # while the first one unwinds: ignored
+        time.sleep(0.1)
+        assert capsys.readouterr().out.count("SIGTERM: stopping now") == 1
+        flag.raised_at -= 10  # long after: stops at once again
+        with pytest.raises(KeyboardInterrupt, match="SIGTERM"):
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
 # --- whole jobs: 1 target + 2 drafter ranks, SIGTERM to the launcher or to one drafter ----------
 
 pytest.importorskip("bench.chaos")
