@@ -310,7 +310,7 @@ def _loop(p: Process, s: Setup, t: Training):
     """The training loop: taps -> step -> log / held-out simulated tau / checkpoint. Returns the
     last held-out figures."""
     cfg, topo, progress, budget = p.cfg, p.topo, t.progress, t.budget
-    metrics = MetricsLog(p.out_dir, s.total_steps, progress.step, topo.is_main, cfg.train.tensorboard)
+    metrics = MetricsLog(p.out_dir, _end(s, budget), progress.step, topo.is_main, cfg.train.tensorboard)
     health = CompileHealthWatch(s.compiled, s.backend == "flex", progress.step, metrics.above_bar(p.log))
     timer, interval, last_sim = ComputeTimer(p.device), TokenInterval(), None
     meta = {"config": cfg.to_dict(), "provenance": provenance(topo.world_size), "fingerprints": s.provenance.current}
@@ -368,6 +368,7 @@ def _decide_budget(p: Process, t: Training, metrics: MetricsLog, step: int) -> N
     decided = t.budget.propose(step)
     if decided is not None:
         t.budget.record(_agree_min(decided, t.ctx))
+        metrics.set_total(t.budget.steps)  # the bar's total and ETA follow the decision, not the epoch count
         metrics.write(f"step {step}: train.max_minutes={p.cfg.train.max_minutes} allows {t.budget.steps} steps at "
                       f"the measured rate (recorded; the lr's cosine ends there)")
 

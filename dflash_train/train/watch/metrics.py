@@ -56,6 +56,12 @@ class MetricsLog:
             if postfix is not None:
                 self.bar.set_postfix(postfix, refresh=False)
 
+    def set_total(self, steps: int) -> None:
+        """The run's step count changed (a time budget's decision): the bar's total and ETA follow."""
+        if self.bar is not None:
+            self.bar.total = steps
+            self.bar.refresh()
+
     def write(self, line: str) -> None:
         """Print above the bar (flushed) so messages and the bar do not tangle."""
         if self.enabled:
