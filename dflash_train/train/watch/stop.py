@@ -61,10 +61,10 @@ class StopFlag:
     """This process's stop request (see the module doc); signal handlers are installed at once."""
 
     def __init__(self):
-        self.code, self.at = 0, 0.0
+        self.code = 0
+        self.at = -REPEAT_WINDOW_S  # when a signal was last acted on: a request recorded or a stop at once
         self.deferring = False  # inside the training loop: a request is voted on, not acted on alone
         self.settled = False  # the job's stop is done: later signals (torchrun's teardown) are ignored
-        self.raised_at = -REPEAT_WINDOW_S  # when a signal last stopped this process at once (StopNow)
         self.phase = "during setup: nothing new was trained; run the same command again (with --resume to continue)"
         for sig in SIGNAL_CODES:
             signal.signal(sig, self._handle)
@@ -72,11 +72,11 @@ class StopFlag:
     def _handle(self, signum, frame):
         name = signal.Signals(signum).name
         now = time.monotonic()
-        if self.settled or (self.code and now - self.at < REPEAT_WINDOW_S) or now - self.raised_at < REPEAT_WINDOW_S:
+        if self.settled or now - self.at < REPEAT_WINDOW_S:
             return  # the same request delivered twice (a launcher's forward, `timeout` and a shell): one stop
         if not self.deferring or self.code:
             print(f"{name}: stopping now", flush=True)
-            self.raised_at = now  # a second copy arriving while the first unwinds would raise out of cleanup
+            self.at = now  # a second copy arriving while the first unwinds would raise out of cleanup
             raise StopNow(f"{name} {self.phase}")
         self.request(SIGNAL_CODES[signum])
         print(f"{name}: every rank stops after one agreed step, which is checkpointed (again to stop at once)",

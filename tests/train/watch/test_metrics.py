@@ -26,7 +26,7 @@ def test_resume_truncates_records_after_the_checkpoint_step(tmp_path):
     assert steps == [1, 2, 3, 4]
 
 
-def test_the_bar_s_total_follows_a_time_budget_s_decision(tmp_path, capsys):
+def test_the_bar_s_total_follows_a_time_budget_s_decision(tmp_path):
     log = MetricsLog(tmp_path, total_steps=13260, start_step=0, enabled=True, tensorboard=False)
     log.advance(30)
     log.set_total(2433)  # the gpu recipe: 30 epochs planned, 3.5 minutes allow ~2,400 steps
