@@ -244,7 +244,7 @@ def build(args):
     dcfg = build_drafter_config(cfg, target)
     drafter = build_drafter(dcfg)
     drafter.reset_parameters(generator=torch.Generator().manual_seed(0))
-    drafter = drafter.to(target.dtype).eval().requires_grad_(False)
+    drafter = drafter.to(args.device, target.dtype).eval().requires_grad_(False)
     head = DraftHead.of(target.lm_head_weight, None, dcfg.scaling)
     dec = StaticDecoder(target.model, drafter, target.embed_weight, head, dcfg.target_layer_ids, dcfg.block_size,
                         args.max_new_tokens, use_graph=False)
