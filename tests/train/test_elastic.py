@@ -71,7 +71,15 @@ def test_resume_with_another_number_of_drafter_ranks_continues_the_same_trajecto
     assert len({round(v, 4) for v in want.values()}) == STEPS  # the loss moves: the comparison is not vacuous
     for step in range(CKPT + 1, STEPS + 1):
         assert got[step] == pytest.approx(want[step], rel=1e-4, abs=1e-6), step
-    final, reference = _weights(resumed), _weights(uninterrupted[after])
-    for name, tensor in reference.items():  # D-PACE's weights follow each run's float32 rounding of its
-        # confidences (2 vs 3 ranks sum in other orders): weights agree to 1e-5 (seen: 9e-6 on 1 of 8192)
-        torch.testing.assert_close(final[name], tensor, rtol=1e-4, atol=2e-5)
+    final, reference, other = _weights(resumed), _weights(uninterrupted[after]), _weights(uninterrupted[before])
+    start = load_file(str(resumed / "checkpoints" / f"step_{CKPT:08d}" / "drafter" / "model.safetensors"))
+    for name, tensor in reference.items():
+        # D and D' ranks sum the same float32 gradients in other orders (D-PACE's confidences too), and
+        # Muon's orthogonalization carries those roundings into whole rows: the two uninterrupted runs
+        # measure that floor. The resumed run must sit within it, far below what the steps moved
+        # (losing the optimizer state or a batch would move a weight by a whole update).
+        floor = (other[name] - tensor).abs().max().item()
+        moved = (tensor - start[name]).abs().max().item()
+        off = (final[name] - tensor).abs().max().item()
+        assert off <= 2 * floor + 1e-6, (name, off, floor)
+        assert off <= 0.05 * moved + 1e-6, (name, off, moved)
