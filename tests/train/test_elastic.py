@@ -13,7 +13,6 @@ import shutil
 import subprocess
 
 import pytest
-import torch
 from safetensors.torch import load_file
 from test_pipeline import env, losses, train_cmd
 
