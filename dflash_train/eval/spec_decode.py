@@ -68,6 +68,8 @@ class SpecResult:
     gaps: list[float] | None = None
     """Greedy: per emitted token, the top-2 logit gap of the target row it was taken from (token 0: the
     prefill's last row; then the verify pass's rows), read once after the timed loop (eval/lossless.py)."""
+    prefill_seconds: float = 0.0
+    """Wall time up to the first token (the prefill and its host read), part of `seconds`."""
 
     @property
     def tau(self) -> float:
@@ -82,6 +84,8 @@ class GenResult:
     tokens: list[int]
     seconds: float
     stopped_by_eos: bool
+    prefill_seconds: float = 0.0
+    """Wall time up to the first token (the prefill and its host read), part of `seconds`."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,9 +430,11 @@ def speculative_generate(target_model, drafter: DFlashDrafter, embed_weight: tor
     tokens: list[int] = []
     accepted: list[int] = []
     gaps: list[torch.Tensor] = []
+    first = 0.0
     if max_new_tokens > 0:
         state, logits = prefill(target_model, drafter, prompt_ids, layer_ids)
         tokens.append(int(_pick(logits, temperature, generator)))
+        first = time.perf_counter() - t0  # int() above waited for the device
         gaps.append(top2_gap(logits))
         new = 1
         while not _done(tokens, new, max_new_tokens, eos):
@@ -442,7 +448,7 @@ def speculative_generate(target_model, drafter: DFlashDrafter, embed_weight: tor
     _sync(device)
     seconds = time.perf_counter() - t0
     greedy_gaps = torch.cat(gaps)[:len(tokens)].tolist() if temperature <= 0 and gaps else None
-    return SpecResult(tokens, accepted, block_size, seconds, by_eos, greedy_gaps)
+    return SpecResult(tokens, accepted, block_size, seconds, by_eos, greedy_gaps, first)
 
 
 @torch.no_grad()
@@ -453,6 +459,7 @@ def target_generate(target_model, prompt_ids: torch.Tensor, max_new_tokens: int,
     _sync(device)
     t0 = time.perf_counter()
     tokens: list[int] = []
+    first = 0.0
     if max_new_tokens > 0:
         cache = new_cache()
         ids = prompt_ids
@@ -460,7 +467,8 @@ def target_generate(target_model, prompt_ids: torch.Tensor, max_new_tokens: int,
             logits, _ = _target_forward(target_model, ids, cache, logits_to_keep=1)
             nxt = _pick(logits[0, -1:], temperature, generator)  # [1]
             tokens.append(int(nxt))
+            first = first or time.perf_counter() - t0  # the prefill's token: int() waited for the device
             ids = nxt[None]  # [1, 1]
     tokens, by_eos = _finish(tokens, max_new_tokens, eos)
     _sync(device)
-    return GenResult(tokens, time.perf_counter() - t0, by_eos)
+    return GenResult(tokens, time.perf_counter() - t0, by_eos, first)

@@ -212,10 +212,12 @@ class StaticDecoder:
         t0 = time.perf_counter()
         tokens: list[int] = []
         accepted: list[int] = []
+        first = 0.0
         if max_new_tokens > 0:
             with decode_attention(self.model), _few_row_mode(self.model, self.device):
                 self._prefill(prompt_ids, taps=True)
                 tokens.append(int(self.anchor))
+                first = time.perf_counter() - t0  # int() waited for the device
                 new = 1
                 while not _done(tokens, new, max_new_tokens, eos):
                     self.bucket.cycle()
@@ -226,7 +228,7 @@ class StaticDecoder:
         tokens, by_eos = _finish(tokens, max_new_tokens, eos)
         _sync(self.device)
         seconds = time.perf_counter() - t0
-        return SpecResult(tokens, accepted, self.block, seconds, by_eos, self.gaps[:len(tokens)].tolist())
+        return SpecResult(tokens, accepted, self.block, seconds, by_eos, self.gaps[:len(tokens)].tolist(), first)
 
     @torch.no_grad()
     def plain(self, prompt_ids: torch.Tensor, max_new_tokens: int, eos_ids) -> GenResult:
@@ -234,13 +236,15 @@ class StaticDecoder:
         _sync(self.device)
         t0 = time.perf_counter()
         tokens: list[int] = []
+        first = 0.0
         if max_new_tokens > 0:
             with decode_attention(self.model):
                 self._prefill(prompt_ids, taps=False)
                 tokens.append(int(self.anchor))
+                first = time.perf_counter() - t0  # int() waited for the device
                 while not _done(tokens, 1, max_new_tokens, eos):
                     self.bucket.plain()
                     tokens.append(int(self.out[1]))  # the step's one host read
         tokens, by_eos = _finish(tokens, max_new_tokens, eos)
         _sync(self.device)
-        return GenResult(tokens, time.perf_counter() - t0, by_eos)
+        return GenResult(tokens, time.perf_counter() - t0, by_eos, first)

@@ -25,9 +25,9 @@ def test_acceptance_stats_edge_cases():
 
 
 def test_summarize_pools_steps_and_times():
-    spec = [SpecResult([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [3, 3, 1], 4, 2.0, False),
-            SpecResult([5] * 20, [0, 2, 3], 4, 3.0, True)]
-    plain = [GenResult([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 4.0, False), GenResult([6] * 20, 6.0, True)]
+    spec = [SpecResult([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [3, 3, 1], 4, 2.0, False, prefill_seconds=0.5),
+            SpecResult([5] * 20, [0, 2, 3], 4, 3.0, True, prefill_seconds=1.5)]
+    plain = [GenResult([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], 4.0, False, 0.4), GenResult([6] * 20, 6.0, True, 0.6)]
     s = summarize(spec, plain, block_size=4)
     assert spec[0].tau == pytest.approx(10 / 3)
     assert s["tau"] == pytest.approx((4 + 4 + 2 + 1 + 3 + 4) / 6)  # pooled over steps, not prompts
@@ -36,7 +36,10 @@ def test_summarize_pools_steps_and_times():
     assert s["spec_tokens_per_s"] == pytest.approx(30 / 5.0)
     assert s["target_tokens_per_s"] == pytest.approx(30 / 10.0)
     assert s["speedup"] == pytest.approx(2.0)
-    assert s["cycle_plain_steps"] == pytest.approx((5.0 / 6) / (10.0 / 30))  # 6 cycles in 5 s; 30 plain tokens in 10 s
+    assert s["speedup"] == pytest.approx(2.0)  # prefills included
+    # after the prefills: 6 cycles in 5 - 2 s; 28 plain steps (each token after a prefill's) in 10 - 1 s
+    assert s["cycle_plain_steps"] == pytest.approx((3.0 / 6) / (9.0 / 28))
+    assert s["spec_prefill_seconds"] == pytest.approx(2.0) and s["target_prefill_seconds"] == pytest.approx(1.0)
     assert s["num_prompts"] == 2 and s["identical_outputs"] == 1
 
 

@@ -160,6 +160,8 @@ def test_evaluate_through_the_static_decoder_says_so_and_matches(smollm2_target,
     assert static["decoder"] == "static (eager)" and dynamic["decoder"].startswith("dynamic")
     for report in (static, dynamic):
         assert report["overall"]["identical_outputs"] == 1 and report["overall"]["cycle_plain_steps"] > 0
+        assert 0 < report["overall"]["spec_prefill_seconds"] < report["overall"]["spec_seconds"]
+        assert 0 < report["overall"]["target_prefill_seconds"] < report["overall"]["target_seconds"]
     assert static["overall"]["spec_tokens"] == dynamic["overall"]["spec_tokens"]
 
 
