@@ -312,6 +312,8 @@ def _spread_run(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 _step(model, opt, step)
             results[f"{master} {iteration}"] = (_muon_weights(opt), opt.muon.orthogonalised)
         torch.save(results, f"{out_dir}/rank{rank}.pt")
+        dist.barrier()  # no rank tears gloo down while a peer still sends the last all-gather (seen once:
+        # "terminate called without an active exception", SIGABRT in rank 1, 2026-12-06)
     finally:
         dist.destroy_process_group()
 
