@@ -59,8 +59,15 @@ def gpu() -> RunConfig:
     written by the target itself (data.train=synthesize), generated at batch 1024; a 6-layer DSpark
     drafter (Markov bias and confidence head, drafting from the anchor's slot too) trained with
     DSpark's 0.1 CE + 0.9 TV loss, D-PACE position weights, Muon for its matrices and the whole
-    vocabulary; 32 sequences per step in one micro-batch; a 3.5-minute training budget; eval on four
-    domains.
+    vocabulary; block 8 (DSpark's published block) with 40 anchors per sequence; 32 sequences per step in
+    one micro-batch; a 3.5-minute training budget; eval on four domains.
+
+    Block 8 (docs/LOG.md, session 18; one run on an H100 against session 17's block 4 on an H200, equal data
+    and 3.5 training minutes, 24 prompts per set): real tau assistant 2.055 vs 2.075, chit-chat 3.926 vs 3.284,
+    HumanEval 1.836 vs 1.917, self-written 2.996 vs 2.755, outside requests 2.376 vs 2.381, outside chit-chat
+    3.041 vs 2.880; held-out simulated tau 3.645 vs 3.099, with 3,371 steps on the slower card against 3,701.
+    Block 4 capped chit-chat (3.56 of 4 per anchor); at 8 the rows per step stay equal (40 x 8 = 80 x 4).
+    Not yet rerun side by side on one card.
 
     Measured on one H200 (docs/LOG.md, session 13: seven arms on the same data at 1000 equal steps,
     24 held-out prompts per domain): against this recipe's DFlash of session 12 (decay weights, AdamW,
@@ -77,21 +84,21 @@ def gpu() -> RunConfig:
     samples (training batches 3.9 vs held-out 2.06), and more data and layers were what moved tau
     (2 layers/5K 1.62/2.50 -> 4/10K 1.84/2.91 -> 6/15K).
 
-    Tokens per optimizer step: 32 sequences of up to 320 tokens (<= 10,240 sequence tokens; 32 x 80
-    anchors x 4 drafted slots (DSpark: block 4 drafts 4) = 10,240 weighted rows) in one micro-batch. Why:
+    Tokens per optimizer step: 32 sequences of up to 320 tokens (<= 10,240 sequence tokens; 32 x 40
+    anchors x 8 drafted slots (DSpark: block 8 drafts 8) = 10,240 weighted rows) in one micro-batch. Why:
     one micro-batch of 32 made a step 8x faster than 32 of one (session 10), and at this drafter's
     576-wide matrices Muon's Newton-Schulz is small against a 32-sequence step; fewer sequences per step
     would buy more steps in the 3.5-minute budget, but the session-13 arms were measured at 32."""
     base = default()
     return replace(
         base,
-        drafter=replace(base.drafter, num_layers=6, arch="dspark"),
+        drafter=replace(base.drafter, num_layers=6, arch="dspark", block_size=8),
         data=replace(base.data, train="default:0.5,synthesize:0.5", max_samples=15000, regen_batch_size=1024,
                      synth_batch_size=1024),
         loss=replace(base.loss, kind="tv", train_vocab=None),
         optim=replace(base.optim, name="muon"),
-        train=replace(base.train, out_dir="runs/gpu", epochs=30, seqs_per_step=32, micro_batch=32, max_minutes=3.5,
-                      eval_every=500, ckpt_every=500),
+        train=replace(base.train, out_dir="runs/gpu", epochs=30, seqs_per_step=32, micro_batch=32, num_anchors=40,
+                      max_minutes=3.5, eval_every=500, ckpt_every=500),
         eval=replace(base.eval, prompts="assistant,chitchat,humaneval,synthesized"),
     )
 
