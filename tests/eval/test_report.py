@@ -35,7 +35,6 @@ def test_summarize_pools_steps_and_times():
     assert s["accepted_length_histogram"] == [1, 1, 1, 3]
     assert s["spec_tokens_per_s"] == pytest.approx(30 / 5.0)
     assert s["target_tokens_per_s"] == pytest.approx(30 / 10.0)
-    assert s["speedup"] == pytest.approx(2.0)
     assert s["speedup"] == pytest.approx(2.0)  # prefills included
     # after the prefills: 6 cycles in 5 - 2 s; 28 plain steps (each token after a prefill's) in 10 - 1 s
     assert s["cycle_plain_steps"] == pytest.approx((3.0 / 6) / (9.0 / 28))

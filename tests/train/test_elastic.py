@@ -45,8 +45,8 @@ def _rewind(run: os.PathLike, to: os.PathLike) -> None:
     (root / "latest").symlink_to(f"step_{CKPT:08d}")
 
 
-def _weights(out):
-    return load_file(str(out / "checkpoints" / f"step_{STEPS:08d}" / "drafter" / "model.safetensors"))
+def _weights(out, step: int = STEPS):
+    return load_file(str(out / "checkpoints" / f"step_{step:08d}" / "drafter" / "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +71,7 @@ def test_resume_with_another_number_of_drafter_ranks_continues_the_same_trajecto
     for step in range(CKPT + 1, STEPS + 1):
         assert got[step] == pytest.approx(want[step], rel=1e-4, abs=1e-6), step
     final, reference, other = _weights(resumed), _weights(uninterrupted[after]), _weights(uninterrupted[before])
-    start = load_file(str(resumed / "checkpoints" / f"step_{CKPT:08d}" / "drafter" / "model.safetensors"))
+    start = _weights(resumed, CKPT)
     for name, tensor in reference.items():
         # D and D' ranks sum the same float32 gradients in other orders (D-PACE's confidences too), and
         # Muon's orthogonalization carries those roundings into whole rows: the two uninterrupted runs
