@@ -7,7 +7,9 @@
 # since session 19) and, in the next call on the same warm machine, `arm b4 drafter.block_size=4 train.num_anchors=80`
 # (the session-17 recipe) for a same-card comparison; `census` times the recipe's replayed cycle (block 8 now).
 # Usage: bash gpu/stage.sh STEP
-# Steps: part0 | install | census | tests | arm NAME [overrides...]
+# `curve POINTS` runs bench/curve.py's points (e.g. 10, or 3.5) under a 540-s deadline; run it again in the next call
+# to resume a point the deadline stopped (session 20).
+# Steps: part0 | install | census | tests | arm NAME [overrides...] | curve POINTS [overrides...]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 R=/tmp/run; P=/tmp/parts; mkdir -p $R $P $R/data
@@ -32,4 +34,11 @@ case "$1" in
     python3 -m dflash_train train --recipe gpu train.out_dir=$R/runs/$name eval.num_prompts=24 $SETS "$@" > $OUT/$name.log 2>&1
     rc=$?; log "arm $name rc=$rc"; tail -40 $OUT/$name.log | tee -a $OUT/stage.log >/dev/null
     cp $R/runs/$name/eval/report.json $OUT/$name.report.json 2>/dev/null ;;
+  curve)
+    site; points=$2; shift 2; log "curve $points: $*"
+    timeout 590 python3 bench/curve.py --out $R/curve --points $points --deadline 540 eval.num_prompts=24 $SETS "$@" \
+      >> $OUT/curve.log 2>&1
+    log "curve rc=$?"
+    for d in $R/curve/m*; do n=$(basename $d); cp $d/train.log $OUT/$n.train.log; cp $d/metrics.jsonl $OUT/$n.metrics.jsonl
+      cp $d/eval/report.json $OUT/$n.report.json; done 2>/dev/null; cp $R/curve/curve.* $OUT/ 2>/dev/null; df -h /tmp | tail -1 >> $OUT/stage.log ;;
 esac
