@@ -33,7 +33,12 @@ from dflash_train.model.drafter.head import SGLANG, VLLM, Engine, Export, Foreig
 
 
 class RMSNorm(nn.Module):
-    """Qwen3RMSNorm: normalise in float32, scale, cast back."""
+    """Qwen3RMSNorm: normalise in float32, cast back, scale (in that order, as HF and the engines' kernels do).
+
+    The normalisation is `F.rms_norm` (weightless, float32): the same formula as the spelled-out
+    x * rsqrt(mean(x^2) + eps), bit for bit on the CPU (where torch runs it as those ops), and where torch has a
+    fused kernel for it (CUDA) one launch instead of five. The eval's CUDA-graph cycle is bound by its kernel
+    count (docs/PERF.md 3.8.3), and a drafter's forward runs 4 norms per layer plus its final and context norms."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -42,8 +47,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * x.to(dtype)
 
 

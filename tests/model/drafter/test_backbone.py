@@ -197,3 +197,20 @@ def test_rope_is_cast_once_per_forward_to_the_same_values_and_left_float32_under
     assert [t.dtype for t in rope_in(block, cos_sin)] == [torch.bfloat16] * 2
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert all(a is b for a, b in zip(rope_in(block.float(), cos_sin), cos_sin))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rms_norm_equals_hf_qwen3_rms_norm_bit_for_bit(dtype):
+    """The drafter's norm runs `F.rms_norm` (one fused kernel where torch has one): the same bits as HF's
+    spelled-out Qwen3RMSNorm on the CPU, in bf16 (where the cast before the scale matters) and float32."""
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+
+    from dflash_train.model.drafter.backbone import RMSNorm
+
+    torch.manual_seed(0)
+    ours, ref = RMSNorm(576, 1e-6).to(dtype), Qwen3RMSNorm(576, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        ours.weight.uniform_(0.5, 1.5)
+        ref.weight.copy_(ours.weight)
+    x = (torch.randn(3, 9, 576) * torch.logspace(-3, 2, 9)[None, :, None]).to(dtype)  # rows 5 decades apart
+    assert torch.equal(ours(x), ref(x))
