@@ -92,7 +92,8 @@ def block_size_of(drafter: DrafterConfigSpec) -> int:
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     train: str = DEFAULT_DATA
-    """`default`, `chitchat`, `synthesize` (prompts written by the target), a JSONL file (ShareGPT or
+    """`default`, `chitchat`, `code` (requests for the interpreter's stdlib functions: data/code_requests.py),
+    `synthesize` (prompts written by the target), a JSONL file (ShareGPT or
     OpenAI shape), an HF dataset saved to disk, or parquet; or a mix by weight,
     `default:0.5,synthesize:0.5`, of `max_samples` in all (data/dataset.py `parse_train_spec`)."""
     format: Literal["auto", "chat", "text"] = "auto"

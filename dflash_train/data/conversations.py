@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from dflash_train.data import corpus
+from dflash_train.data.code_requests import code_train_conversations
 from dflash_train.data.records import Conversation, TokenizedSample
 from dflash_train.data.rows import BadRows, DataError, parse_rows
+from dflash_train.data.train_spec import CODE
 
 # ---------------------------------------------------------------------------------------------
 # Readers
@@ -79,14 +81,16 @@ def file_rows(spec: str) -> Iterator[tuple[int, object]]:
         return _parquet_rows(path)
     if path.is_file():
         return _jsonl_rows(path)
-    raise FileNotFoundError(f"data {spec!r}: not 'default', 'chitchat', a file or a dataset directory")
+    raise FileNotFoundError(f"data {spec!r}: not 'default', 'chitchat', 'code', a file or a dataset directory")
 
 
 def read_conversations(spec: str, skip_bad_rows: bool = False, max_samples: int | None = None,
                        seed: int = 0) -> tuple[list[Conversation], BadRows]:
     """Read conversations from `default` (the embedded corpus), `chitchat` (its human multi-turn
-    conversations), a JSONL file, a parquet file, or an HF dataset saved to disk."""
+    conversations), `code` (requests built from the stdlib's functions: data/code_requests.py), a JSONL file, a parquet file, or an HF dataset saved to disk."""
     bad = BadRows()
+    if spec == CODE:
+        return code_train_conversations(seed=seed, max_samples=max_samples), bad
     if spec in ("default", "chitchat"):
         if spec == "default":
             return corpus.default_train_conversations(seed=seed, max_samples=max_samples), bad

@@ -21,13 +21,14 @@ from typing import Sequence, TypeVar
 
 from dflash_train import cache
 from dflash_train.config import DataConfig
+from dflash_train.data import code_requests
 from dflash_train.data.conversations import read_conversations, tokenize_conversations
 from dflash_train.data.records import Conversation, Sample
 from dflash_train.data.regen_taps import TappedSamples, regenerate_with_taps
 from dflash_train.data.regenerate import regenerate
 from dflash_train.data.rows import BadRows
 from dflash_train.data.synthesize import SynthSettings, synthesize_prompts
-from dflash_train.data.train_spec import NAMED_SOURCES, SYNTHESIZE, parse_train_spec
+from dflash_train.data.train_spec import CODE, NAMED_SOURCES, SYNTHESIZE, parse_train_spec
 from dflash_train.data.text import continuation_samples, continuations_with_taps, resolve_data_format
 
 Paired = TypeVar("Paired")
@@ -206,6 +207,8 @@ def train_key(cfg: DataConfig) -> str:
 def _content_of(source: str) -> str:
     """A named source as is; a file or dataset directory as the sha256 of its files' contents."""
     path = Path(source).expanduser()
+    if source == CODE:
+        return code_requests.fingerprint()  # built from this interpreter's stdlib: another Python, other prompts
     if source in NAMED_SOURCES or not path.exists():
         return source
     files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]

@@ -94,7 +94,7 @@ def read_documents(spec: str, skip_bad_rows: bool = False, max_samples: int | No
     """Documents from `spec` (see the module doc); bad rows raise `DataError` with their location, or
     are counted with `skip_bad_rows`."""
     path = Path(spec).expanduser()
-    if spec in ("default", "chitchat"):
+    if spec in ("default", "chitchat", "code"):
         convs, bad = read_conversations(spec, skip_bad_rows, max_samples, seed)
         return [_joined(c) for c in convs], bad
     if path.suffix == ".txt" and path.is_file():

@@ -7,13 +7,14 @@ import re
 from pathlib import Path
 
 SYNTHESIZE = "synthesize"
-NAMED_SOURCES = ("default", "chitchat", SYNTHESIZE)
+CODE = "code"
+NAMED_SOURCES = ("default", "chitchat", CODE, SYNTHESIZE)
 
 
 def parse_train_spec(spec: str, max_samples: int | None) -> list[tuple[str, int | None]]:
     """`data.train` as (source, sample count) pairs, validated before anything heavy loads.
 
-    Syntax: one source (`default`, `chitchat`, `synthesize`, a JSONL/parquet file or an HF dataset
+    Syntax: one source (`default`, `chitchat`, `code`, `synthesize`, a JSONL/parquet file or an HF dataset
     directory), or a mix `source:weight,source:weight,...` (a missing weight is 1). A mix, and any
     spec with `synthesize`, needs `max_samples`: it is the total, split by weight (largest
     remainder, so the counts add up exactly). A spec naming an existing path is one source, even
