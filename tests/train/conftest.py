@@ -27,6 +27,23 @@ def tiny_target_dir(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def disaggregated_reference(tiny_target_dir, tmp_path_factory):
+    """One uninterrupted torchrun job of bench/chaos.py's kind (1 target + 2 drafter ranks, 10 steps, a
+    checkpoint every 2) and its final weights: what the fault trials of test_chaos.py and
+    watch/test_stop.py resume onto."""
+    import subprocess
+
+    from bench.chaos import Layout, env, final_weights, job
+
+    out = tmp_path_factory.mktemp("disaggregated_reference") / "run"
+    layout = Layout(targets=1, drafters=2, steps=10, target=str(tiny_target_dir),
+                    extra=("drafter.num_taps=3", "data.max_len=128"))
+    proc = subprocess.run(job(out, layout), env=env(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return layout, final_weights(out)
+
+
 @pytest.fixture
 def contained(monkeypatch, tmp_path):
     """train() installs SIGTERM/SIGINT/SIGHUP handlers and points inductor's cache at the run's parent."""
