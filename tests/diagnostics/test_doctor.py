@@ -83,8 +83,10 @@ def test_json_report_matches_the_printed_lines(quick_run):
 def test_a_hanging_stage_is_reported_with_its_stack_and_later_stages_still_run():
     """The hung stage is stopped at its limit and its stack shown; the doctor goes on to the next
     stages and exits 1. Had the hung stage process been left running, it would hold the output pipe
-    open and `run_cli` would fail on its timeout instead of returning."""
-    limit = 10
+    open and `run_cli` would fail on its timeout instead of returning. The limit holds each group (one
+    stage here) from its child's start: the hung child reaches its hang in ~0.1 s, the disk stage ends in
+    ~0.2 s, so 4 s leaves them a 20x slower machine and waits out little."""
+    limit = 4
     proc = run_cli("--stages", "versions,devices,disk", "--stage-timeout", str(limit),
                    inject="hang:versions,fail:devices", timeout=300)
     stages = stage_lines(proc.stdout)
