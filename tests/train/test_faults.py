@@ -203,27 +203,32 @@ def _run(nproc, target, out, fault):
                           capture_output=True, text=True)
 
 
+@pytest.fixture(scope="module")
+def skipped_reference(tiny_qwen3_dir, tmp_path_factory):
+    """The disaggregated run that leaves step NAN_STEP out on the host: both tests below end on it."""
+    reference = tmp_path_factory.mktemp("skip")
+    ref = _run(3, tiny_qwen3_dir, reference, f"skip:rank=0:step={NAN_STEP}")
+    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
+    return reference
+
+
 @pytest.mark.slow
-def test_disaggregated_nan_sent_by_the_target_rank_is_caught_and_skipped(tiny_qwen3_dir, tmp_path):
+def test_disaggregated_nan_sent_by_the_target_rank_is_caught_and_skipped(tiny_qwen3_dir, skipped_reference, tmp_path):
     """Target rank 0 serves every micro-batch; its first one of the step goes to drafter rank 1."""
-    injected, reference = tmp_path / "nan", tmp_path / "skip"
+    injected = tmp_path / "nan"
     proc = _run(3, tiny_qwen3_dir, injected, f"nan:rank=0:step={NAN_STEP}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"step {NAN_STEP}: non-finite loss or gradient norm, update skipped (rank 1: micro-batch" in proc.stdout
-    ref = _run(3, tiny_qwen3_dir, reference, f"skip:rank=0:step={NAN_STEP}")
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
-    _assert_checkpoints_equal(_checkpoint(injected, STEPS), _checkpoint(reference, STEPS))
+    _assert_checkpoints_equal(_checkpoint(injected, STEPS), _checkpoint(skipped_reference, STEPS))
 
 
 @pytest.mark.slow
-def test_disaggregated_nan_on_one_drafter_rank_is_skipped_by_all(tiny_qwen3_dir, tmp_path):
-    injected, reference = tmp_path / "nan", tmp_path / "skip"
+def test_disaggregated_nan_on_one_drafter_rank_is_skipped_by_all(tiny_qwen3_dir, skipped_reference, tmp_path):
+    injected = tmp_path / "nan"
     proc = _run(3, tiny_qwen3_dir, injected, f"nan:rank=2:step={NAN_STEP}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"[rank 2] step {NAN_STEP}: non-finite loss or gradient norm, update skipped (rank 2: micro-batch" \
         in proc.stdout
     assert f"step {NAN_STEP}: non-finite loss or gradient norm, update skipped (rank 1: a finite loss here" \
         in proc.stdout  # the other drafter rank skipped the same step
-    ref = _run(3, tiny_qwen3_dir, reference, f"skip:rank=0:step={NAN_STEP}")
-    assert ref.returncode == 0, ref.stdout[-3000:] + ref.stderr[-3000:]
-    _assert_checkpoints_equal(_checkpoint(injected, STEPS), _checkpoint(reference, STEPS))
+    _assert_checkpoints_equal(_checkpoint(injected, STEPS), _checkpoint(skipped_reference, STEPS))
