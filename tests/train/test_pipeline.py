@@ -50,6 +50,15 @@ def run(nproc, target, out, *extra, timeout=240, **env_extra):
                           capture_output=True, text=True)
 
 
+def run_here(target, out, *extra) -> int:
+    """The one-process job in this process, through the same `cli.main` as `dflash-train train`: a
+    reference for the multi-process jobs without an interpreter start and imports of its own (needs the
+    `contained` fixture, which restores the signal handlers and the inductor cache that train() sets)."""
+    from dflash_train.cli import main
+
+    return main(["train", *args(target, out, *extra)])
+
+
 def losses(out: Path) -> dict[int, float]:
     by_step = {}
     for line in (out / "metrics.jsonl").read_text().splitlines():
@@ -203,14 +212,13 @@ def test_offline_training_from_prepared_shards(tiny_target_dir, tmp_path):
     assert sorted(got) == list(range(1, STEPS + 1)) and all(v > 0 for v in got.values())
 
 
-def test_padded_micro_batches_match_one_sequence_at_a_time(colocated, tiny_target_dir, tmp_path):
+def test_padded_micro_batches_match_one_sequence_at_a_time(colocated, tiny_target_dir, tmp_path, contained):
     """train.micro_batch=4 (one padded forward of the step's 4 sequences) against the colocated run's
     micro_batch=1 (4 accumulated forwards): the same loss at every step. The GPU recipe's steps are
     launch-bound at micro_batch 1 (docs/LOG.md, session 7), so larger micro-batches must not change
     what is learned."""
     _, expected = colocated
-    proc = run(1, tiny_target_dir, tmp_path, "train.micro_batch=4")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert run_here(tiny_target_dir, tmp_path, "train.micro_batch=4") == 0
     got = losses(tmp_path)
     assert sorted(got) == sorted(expected)
     for step, loss in expected.items():
@@ -224,15 +232,15 @@ a 35-s job of their own."""
 
 
 @pytest.mark.parametrize("arch,settings", HEAD_RUNS, ids=[f"{a}-{len(s)}" for a, s in HEAD_RUNS])
-def test_every_architecture_trains_alike_on_two_ranks_and_resumes_exactly(tiny_target_dir, tmp_path, arch, settings):
+def test_every_architecture_trains_alike_on_two_ranks_and_resumes_exactly(tiny_target_dir, tmp_path, contained, arch,
+                                                                          settings):
     """Every head through the same job as DFlash: two drafter ranks (gloo) give the one-process
     losses, and a run failed after a checkpoint resumes onto the same trajectory (their extra
     parameters are in the weights, the optimizer and the gradient sums like every other)."""
     extra = (f"drafter.arch={arch}", "drafter.block_size=4", *(f"drafter.{k}={v}" for k, v in settings),
              "train.ckpt_every=2")
     one = tmp_path / "one"
-    proc = run(1, tiny_target_dir, one, *extra)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert run_here(tiny_target_dir, one, *extra) == 0
     two = tmp_path / "two"
     failed = run(2, tiny_target_dir, two, *extra, DFLASH_INJECT_FAULT="raise:rank=0:step=3")
     assert failed.returncode != 0 and (two / "checkpoints" / "step_00000002").is_dir()
