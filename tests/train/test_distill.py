@@ -5,8 +5,6 @@ disaggregated (gloo) and offline shards (bf16, fp8) give the colocated run's los
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,7 +17,7 @@ from dflash_train.train.loss.objective import CE, LossMix, teacher_hidden_at
 from dflash_train.train.feed.taps import FINAL_HIDDEN, StoredRows, TapsSpec, TensorField, target_tensors
 from dflash_train.validate import config_problems
 from tests.train.loss.test_loss import dflash_block_loss, make_case, naive_loss
-from tests.train.test_pipeline import env, losses, run
+from tests.train.test_pipeline import losses, run, run_here
 
 IDS = [1, 3]
 
@@ -162,11 +160,12 @@ KL = ("loss.kind=kl", "loss.temperature=2.0")
 
 
 def _prepare(target_dir, out, fmt, *extra):
-    proc = subprocess.run([sys.executable, "-m", "dflash_train", "prepare", "--target", str(target_dir),
-                           "--data", "chitchat", "--out", str(out), "--max-samples", "80", "--max-len", "256",
-                           "--format", fmt, "--num-taps", "3", *extra], env=env(), capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    """`dflash-train prepare` through cli.main in this process (the one-process jobs below run there too:
+    no interpreter start of their own; the tests take the `contained` fixture)."""
+    from dflash_train.cli import main
+
+    assert main(["prepare", "--target", str(target_dir), "--data", "chitchat", "--out", str(out), "--max-samples", "80",
+                 "--max-len", "256", "--format", fmt, "--num-taps", "3", *extra]) == 0
 
 
 @pytest.fixture(scope="module")
@@ -195,20 +194,21 @@ def test_disaggregated_kl_equals_colocated(colocated_kl, tiny_target_dir, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt,rel", [("bf16", 2e-3), ("fp8", 2e-2)])
-def test_offline_kl_equals_colocated_within_storage_precision(colocated_kl, tiny_target_dir, tmp_path, fmt, rel):
+def test_offline_kl_equals_colocated_within_storage_precision(colocated_kl, tiny_target_dir, tmp_path, contained, fmt,
+                                                              rel):
     """Shards prepared for the KL loss (taps + final hidden in bf16 or fp8): the colocated losses
     within the storage rounding (bf16: 8 mantissa bits; fp8 e4m3: 4, one scale per row)."""
     shards = tmp_path / "shards"
     _prepare(tiny_target_dir, shards, fmt, "loss.kind=kl")
-    proc = run(1, tiny_target_dir, tmp_path / "run", *KL, "topology.mode=offline", f"data.shards={shards}")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert run_here(tiny_target_dir, tmp_path / "run", *KL, "topology.mode=offline", f"data.shards={shards}") == 0
     _close(losses(tmp_path / "run"), colocated_kl, rel=rel)
 
 
 @pytest.mark.slow
-def test_offline_kl_on_ce_shards_names_the_fix(tiny_target_dir, tmp_path):
+def test_offline_kl_on_ce_shards_names_the_fix(tiny_target_dir, tmp_path, contained, capsys):
     shards = tmp_path / "shards"
     _prepare(tiny_target_dir, shards, "bf16")
-    proc = run(1, tiny_target_dir, tmp_path / "run", *KL, "topology.mode=offline", f"data.shards={shards}")
-    assert proc.returncode != 0
-    assert "final hidden state" in proc.stdout + proc.stderr and "prepare" in proc.stdout + proc.stderr
+    capsys.readouterr()
+    assert run_here(tiny_target_dir, tmp_path / "run", *KL, "topology.mode=offline", f"data.shards={shards}") != 0
+    out = "".join(capsys.readouterr())
+    assert "final hidden state" in out and "prepare" in out
