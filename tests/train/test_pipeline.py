@@ -197,13 +197,14 @@ def test_watchdog_stops_a_stalled_job_with_stacks(tiny_target_dir, tmp_path):
     assert "WATCHDOG" in output and "inject_fault" in output and "last stage" in output
 
 
-def test_offline_training_from_prepared_shards(tiny_target_dir, tmp_path):
-    """prepare writes shards; two drafter ranks (DDP) train from them with no target forward."""
+def test_offline_training_from_prepared_shards(tiny_target_dir, tmp_path, contained):
+    """prepare (in this process, through cli.main) writes shards; two drafter ranks (DDP) train from them
+    with no target forward."""
+    from dflash_train.cli import main
+
     shards = tmp_path / "shards"
-    prep = subprocess.run([sys.executable, "-m", "dflash_train", "prepare", "--target", str(tiny_target_dir),
-                           "--data", "chitchat", "--out", str(shards), "--max-samples", "80", "--max-len", "256", "--num-taps", "3"],
-                          env=env(), capture_output=True, text=True, timeout=240)
-    assert prep.returncode == 0, prep.stdout[-2000:] + prep.stderr[-2000:]
+    assert main(["prepare", "--target", str(tiny_target_dir), "--data", "chitchat", "--out", str(shards),
+                 "--max-samples", "80", "--max-len", "256", "--num-taps", "3"]) == 0
     out = tmp_path / "run"
     proc = run(2, tiny_target_dir, out, "topology.mode=offline", f"data.shards={shards}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
