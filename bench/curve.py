@@ -4,8 +4,9 @@
 
 Each point is one `dflash-train train --recipe gpu` run in its own directory, <out>/m<minutes>, with
 `train.max_minutes` = the point and more prompts as it grows, the target writing more of them itself (the
-default corpus holds ~9,000: the rest are synthesized): 3.5 minutes = the recipe (15,000 prompts, half
-written by the target), 10 = 30,000 (21,000 written), 20 = the `gpu_long` recipe (45,000, 36,000 written;
+default corpus holds ~9,000 and the stdlib ~3,700 code requests: the rest are synthesized): 3.5 minutes = the
+recipe (15,000 prompts: 6,000 default, 3,000 code, 6,000 written by the target), 10 = 30,000 (18,000 written), 20 =
+the `gpu_long` recipe (45,000: 9,000 default, 3,150 code, 32,850 written;
 its cache of ~1 MB per sample must fit the disk). Points are independent and resumable: a point with its
 eval report is done and skipped; one with a checkpoint continues with `--resume` (the trainer's exact resume:
 the minutes already spent carry over); one without starts (its finished data caches are reused). With
@@ -36,6 +37,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_PROMPTS = 9000
 """Prompts taken from the default corpus at most (it holds 9,042: docs/LOG.md, session 9); the rest are written."""
+CODE_PROMPTS = 3000
+"""Code requests at most (data/code_requests.py: the stdlib holds ~3,700 documented public functions on Python 3.11)."""
 SAMPLES = {3.5: 15000, 10.0: 30000, 20.0: 45000}
 BYTES_PER_SAMPLE = 1.1e6  # the gpu recipe's regenerate + tap cache: ~15 GB for 15,000 samples, with a margin
 INTERRUPTED = 3  # the trainer's exit status when a signal stopped it after a checkpoint
@@ -52,8 +55,9 @@ class Point:
 
     @property
     def mix(self) -> str:
-        share = min(0.5, round(DEFAULT_PROMPTS / self.samples, 2))
-        return f"default:{share:g},synthesize:{1 - share:g}"
+        default = min(0.4, round(DEFAULT_PROMPTS / self.samples, 2))
+        code = min(0.2, round(CODE_PROMPTS / self.samples, 2))
+        return f"default:{default:g},code:{code:g},synthesize:{round(1 - default - code, 2):g}"
 
 
 def parse(argv=None) -> argparse.Namespace:

@@ -18,13 +18,13 @@ REPO = Path(__file__).resolve().parents[1]
 def test_points_grow_the_data_with_the_target_writing_the_rest():
     points = curve.points_of(curve.parse([]))
     assert [(p.minutes, p.samples, p.mix) for p in points] == [
-        (3.5, 15000, "default:0.5,synthesize:0.5"), (10.0, 30000, "default:0.3,synthesize:0.7"),
-        (20.0, 45000, "default:0.2,synthesize:0.8")]
+        (3.5, 15000, "default:0.4,code:0.2,synthesize:0.4"), (10.0, 30000, "default:0.3,code:0.1,synthesize:0.6"),
+        (20.0, 45000, "default:0.2,code:0.07,synthesize:0.73")]
     gpu, long = recipes.gpu(), recipes.gpu_long()
     assert (gpu.train.max_minutes, gpu.data.max_samples, gpu.data.train) == (3.5, 15000, points[0].mix)
     assert (long.train.max_minutes, long.data.max_samples, long.data.train) == (20.0, 45000, points[2].mix)
     assert curve.points_of(curve.parse(["--points", "7", "--samples", "7=21000"]))[0].mix == \
-        "default:0.43,synthesize:0.57"
+        "default:0.4,code:0.14,synthesize:0.46"
     with pytest.raises(SystemExit, match="no data size for the 7-minute point"):
         curve.points_of(curve.parse(["--points", "7"]))
 
