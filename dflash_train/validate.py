@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING
 from dflash_train.config import RESUME_CHANGEABLE, ConfigError, RunConfig, block_size_of
 from dflash_train.model.drafter.heads.architectures import setting_problems
 from dflash_train.overrides import allowed_values, settings
-from dflash_train.data.train_spec import parse_train_spec
+from dflash_train.data import code_requests
+from dflash_train.data.train_spec import CODE, parse_train_spec
 from dflash_train.diagnostics.doctor import STAGE_KINDS
 
 if TYPE_CHECKING:  # only for the annotation: topology.py imports torch
@@ -151,9 +152,13 @@ def target_problems(cfg: RunConfig) -> list[str]:
 def data_problems(cfg: RunConfig) -> list[str]:
     """data.train: one source or a weighted mix of sources (data/train_spec.py), each existing."""
     try:
-        parse_train_spec(cfg.data.train, cfg.data.max_samples)
+        sources = parse_train_spec(cfg.data.train, cfg.data.max_samples)
     except ValueError as e:
         return [str(e)]
+    if any(name == CODE for name, _ in sources) and not code_requests.has_sources():
+        return [f"data.train={cfg.data.train}: source 'code' builds its requests from this Python's standard-library "
+                f"sources, and {code_requests.stdlib_dir()} holds none (a slim image that ships only bytecode); "
+                "install them (e.g. the distribution's python3 full/stdlib package) or drop the source"]
     return []
 
 

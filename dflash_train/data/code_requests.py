@@ -51,6 +51,11 @@ def stdlib_dir() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def has_sources(root: Path | None = None) -> bool:
+    """Whether `root` (default: the stdlib) holds Python sources at all: checked before anything heavy loads."""
+    return any((root or stdlib_dir()).glob("*.py"))
+
+
 def _stub(node: ast.FunctionDef | ast.AsyncFunctionDef, lines: list[str]) -> str | None:
     """The function's source from its `def` line through its docstring, dedented: decorators and body
     left out, the signature and docstring literal as written (escapes, raw strings and line breaks kept).

@@ -9,6 +9,7 @@ import textwrap
 
 import pytest
 
+from dflash_train import recipes, validate
 from dflash_train.config import DataConfig
 from dflash_train.data import code_requests
 from dflash_train.data.conversations import read_conversations
@@ -94,6 +95,16 @@ def test_requests_are_seeded_one_user_turn_and_hold_the_stub(tree):
 def test_an_empty_tree_is_refused_naming_it(tmp_path):
     with pytest.raises(FileNotFoundError, match=str(tmp_path)):
         code_requests.code_train_conversations(root=tmp_path)
+
+
+def test_validation_refuses_the_source_where_the_stdlib_has_no_sources(tmp_path, monkeypatch):
+    cfg = recipes.gpu()
+    assert code_requests.has_sources() and not validate.data_problems(cfg)
+    monkeypatch.setattr(code_requests, "stdlib_dir", lambda: tmp_path)  # a slim image: bytecode only
+    (tmp_path / "os.pyc").write_bytes(b"")
+    (problem,) = validate.data_problems(cfg)
+    assert "source 'code'" in problem and str(tmp_path) in problem
+    assert not validate.data_problems(recipes.default())  # a mix without the source does not ask for it
 
 
 def test_fingerprint_follows_the_contents(tree, tmp_path_factory):
