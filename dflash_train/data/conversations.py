@@ -87,7 +87,8 @@ def file_rows(spec: str) -> Iterator[tuple[int, object]]:
 def read_conversations(spec: str, skip_bad_rows: bool = False, max_samples: int | None = None,
                        seed: int = 0) -> tuple[list[Conversation], BadRows]:
     """Read conversations from `default` (the embedded corpus), `chitchat` (its human multi-turn
-    conversations), `code` (requests built from the stdlib's functions: data/code_requests.py), a JSONL file, a parquet file, or an HF dataset saved to disk."""
+    conversations), `code` (requests built from the stdlib's functions: data/code_requests.py), a JSONL
+    file, a parquet file, or an HF dataset saved to disk."""
     bad = BadRows()
     if spec == CODE:
         return code_train_conversations(seed=seed, max_samples=max_samples), bad

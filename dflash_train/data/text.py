@@ -25,6 +25,7 @@ from dflash_train.data.records import Conversation, TokenizedSample
 from dflash_train.data.regen_taps import regenerate_prompts_with_taps
 from dflash_train.data.regenerate import generate_batch, end_of_turn_ids
 from dflash_train.data.rows import BadRows, DataError, content_id, json_type_name, parse_row
+from dflash_train.data.train_spec import CORPUS_SOURCES
 
 FORMATS = ("auto", "chat", "text")
 
@@ -94,7 +95,7 @@ def read_documents(spec: str, skip_bad_rows: bool = False, max_samples: int | No
     """Documents from `spec` (see the module doc); bad rows raise `DataError` with their location, or
     are counted with `skip_bad_rows`."""
     path = Path(spec).expanduser()
-    if spec in ("default", "chitchat", "code"):
+    if spec in CORPUS_SOURCES:
         convs, bad = read_conversations(spec, skip_bad_rows, max_samples, seed)
         return [_joined(c) for c in convs], bad
     if path.suffix == ".txt" and path.is_file():

@@ -8,7 +8,9 @@ from pathlib import Path
 
 SYNTHESIZE = "synthesize"
 CODE = "code"
-NAMED_SOURCES = ("default", "chitchat", CODE, SYNTHESIZE)
+CORPUS_SOURCES = ("default", "chitchat", CODE)
+"""Named sources read from what is installed (data/corpus.py, data/code_requests.py), as conversations."""
+NAMED_SOURCES = (*CORPUS_SOURCES, SYNTHESIZE)
 
 
 def parse_train_spec(spec: str, max_samples: int | None) -> list[tuple[str, int | None]]:

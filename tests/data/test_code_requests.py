@@ -14,6 +14,7 @@ from dflash_train.config import DataConfig
 from dflash_train.data import code_requests
 from dflash_train.data.conversations import read_conversations
 from dflash_train.data.dataset import read_train_conversations, train_key
+from dflash_train.data.text import read_documents
 from dflash_train.data.train_spec import parse_train_spec
 
 DOC = "Return the sum of a and b, both integers, as an integer."
@@ -144,3 +145,5 @@ def test_code_is_a_named_source_of_a_mix_and_keys_the_cache_by_content():
     mixed, _ = read_train_conversations(cfg, None, "unused", None, seed=0, log=lambda *_: None)
     assert sum(c.id.startswith("code-") for c in mixed) == 5 and len(mixed) == 10
     assert code_requests.fingerprint() in train_key(cfg)
+    docs, _ = read_documents("code", max_samples=3)  # a base model continues the same requests as text
+    assert [d.text for d in docs] == [c.messages[0]["content"] for c in read_conversations("code", max_samples=3)[0]]
