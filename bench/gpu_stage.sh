@@ -11,8 +11,9 @@
 # to resume a point the deadline stopped (session 20).
 # `peer NAME` trains speculators' DSpark on the data of the arm NAME for the recipe's minutes (bench/peers/README.md;
 # carry ["peer"] with its wheels: bash bench/peers/fetch_wheels.sh peer/.whl), `peereval NAME` evaluates it beside
-# the arm's report (issue 38: ours >= peer + 0.2 on every set), each in a call of its own.
-# Steps: part0 | install | census | tests | arm NAME [overrides...] | curve POINTS [overrides...] | peer NAME | peereval NAME
+# the arm's report (issue 38: ours >= peer + 0.2 on every set), each in a call of its own; `peerall NAME` does both in
+# one call and builds the data itself where no arm ran yet (an arm run after it reuses them: $R/runs/NAME/data -> $R/data).
+# Steps: part0 | install | census | tests | arm NAME [overrides...] | curve POINTS [overrides...] | peer NAME | peereval NAME | peerall NAME
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 R=/tmp/run; P=/tmp/parts; mkdir -p $R $P $R/data
@@ -37,13 +38,16 @@ case "$1" in
     python3 -m dflash_train train --recipe gpu train.out_dir=$R/runs/$name eval.num_prompts=24 $SETS "$@" > $OUT/$name.log 2>&1
     rc=$?; log "arm $name rc=$rc"; tail -40 $OUT/$name.log | tee -a $OUT/stage.log >/dev/null
     cp $R/runs/$name/eval/report.json $OUT/$name.report.json 2>/dev/null ;;
-  peer|peereval)
+  peer|peereval|peerall)
     site; step=$1; name=$2; shift 2; S=/tmp/peersite
+    mkdir -p $R/runs/$name; [ -e $R/runs/$name/data ] || ln -s $R/data $R/runs/$name/data
     [ -d $S ] || python3 -m pip install -q --no-index --no-deps --no-compile --target $S peer/.whl/*.whl
-    mode=$([ $step = peer ] && echo --no-eval || echo --eval-only); log "$step $name $mode: $*"
-    PYTHONPATH=/tmp/site:$S timeout 570 python3 bench/peers/peer_train.py --recipe gpu train.out_dir=$R/runs/$name \
+    mode=$(case $step in peer) echo --no-eval;; peereval) echo --eval-only;; esac); log "$step $name $mode: $*"
+    PYTHONPATH=/tmp/site:$S timeout 580 python3 bench/peers/peer_train.py --recipe gpu train.out_dir=$R/runs/$name \
       eval.num_prompts=24 $SETS "$@" $mode > $OUT/${step}_$name.log 2>&1
-    log "$step $name rc=$?"; tail -25 $OUT/${step}_$name.log | tee -a $OUT/stage.log >/dev/null ;;
+    log "$step $name rc=$?"; tail -25 $OUT/${step}_$name.log | tee -a $OUT/stage.log >/dev/null
+    cp $R/runs/$name/peer-dspark/summary.json $OUT/peer_$name.summary.json 2>/dev/null
+    cp $R/runs/$name/peer-dspark/eval/report.json $OUT/peer_$name.report.json 2>/dev/null ;;
   curve)
     site; points=$2; shift 2; log "curve $points: $*"
     timeout 590 python3 bench/curve.py --out $R/curve --points $points --deadline 540 eval.num_prompts=24 $SETS "$@" \

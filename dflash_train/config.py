@@ -175,8 +175,10 @@ class LossConfig:
     train_vocab: int | None = None
     """Training softmax over every token of the training data plus the lowest ids, at least this many
     (rounded up to a multiple of 16; train/loss/vocab.py): the lm_head dominates a CPU step. None = the
-    full vocabulary. Held-out simulated tau uses the full lm_head; the export carries the ids as the
-    drafter's draft vocabulary (draft_vocab.json), which the real eval drafts over (eval.draft_vocab)."""
+    full vocabulary. Held-out simulated tau uses the full lm_head; the export carries the ids as the drafter's
+    draft vocabulary in the form vLLM serves where its head's engines serve one (DFlash: `draft_vocab_size`, the
+    target's lm_head rows, `d2t`; model/drafter/export/draft_vocab.py), else in draft_vocab.json, and the real
+    eval drafts over it (eval.draft_vocab)."""
 
     @property
     def needs_target_hidden(self) -> bool:
@@ -320,10 +322,13 @@ class EvalConfig:
     progress: bool = True
     """Progress bar during the `eval` command."""
     draft_vocab: Literal["auto", "full", "subset"] = "auto"
-    """The headline tau and speedup draft over the whole lm_head, as vLLM and SGLang serve a DFlash drafter.
-    auto: where the drafter directory has a draft_vocab.json (the tokens of its training softmax), the same
-    prompts are decoded again over it and those figures are reported beside; full: the headline only;
-    subset: the draft vocabulary as the headline (lossless, a cheaper drafter lm_head, no engine serves it)."""
+    """Which lm_head rows the eval drafts over; each figure says the engines it stands for. auto: the headline is
+    what vLLM serves: the directory's draft vocabulary where it is in the engines' reduced form
+    (`draft_vocab_size`, its own lm_head rows, `d2t`: vLLM drafts over those tokens), with the whole lm_head, what
+    SGLang serves (it skips lm_head and d2t), decoded again beside; where its draft vocabulary is a draft_vocab.json
+    (a checkpoint's drafter/, an older export, a head no engine serves reduced), which no engine reads, the whole
+    lm_head is the headline and the draft vocabulary beside. full: the whole lm_head only. subset: the draft
+    vocabulary only (lossless either way: the target verifies every token)."""
     decoder: Literal["auto", "static", "dynamic"] = "auto"
     """How both loops decode. static: fixed-shape caches, the state on the device, one host read per cycle, CUDA
     graphs on a GPU (eval/static_decode.py: as an engine decodes; greedy, full-attention targets); dynamic: eager HF

@@ -168,23 +168,35 @@ def _required(cfg: RunConfig, key: str, what: str) -> list[str]:
 
 
 def _drafter_dir_problems(key: str, value: str | None, draft_vocab: bool = False) -> list[str]:
-    """A z-lab drafter directory; with `draft_vocab`, its draft_vocab.json too (read by the eval)."""
+    """A z-lab drafter directory; with `draft_vocab`, its draft vocabulary too (read by the eval and the export):
+    draft_vocab.json, or the engines' reduced form (config.json `draft_vocab_size`, `d2t` in the weights)."""
     if value is None:
         return []
     config = Path(value).expanduser() / "config.json"
     if not config.is_file():
         return [f"{key}={value}: no config.json there: not a z-lab drafter directory (a training run's "
                 "`drafter/`, or a published DFlash drafter)"]
-    if not draft_vocab or not (config.parent / "draft_vocab.json").is_file():
+    if not draft_vocab or not _declares_draft_vocab(config):
         return []
-    from dflash_train.model.drafter.export.hf_format import load_draft_vocab  # local: torch is heavy for validation
+    from dflash_train.model.drafter.export.draft_vocab import load_draft_vocab  # local: torch is heavy for validation
 
     try:  # a malformed draft vocabulary fails here, not after the target has loaded
-        vocab_size = json.loads(config.read_text()).get("vocab_size") or 2**62
-        load_draft_vocab(config.parent, int(vocab_size))
+        load_draft_vocab(config.parent, int(json.loads(config.read_text()).get("vocab_size") or 2**62))
     except (ValueError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
         return [f"{key}={value}: {e}"]
     return []
+
+
+def _declares_draft_vocab(config: Path) -> bool:
+    """A draft_vocab.json beside config.json, or a z-lab config.json declaring a reduced `draft_vocab_size` (a
+    speculators config records no vocabulary of its own: its draft vocabulary is read when the drafter loads)."""
+    try:
+        d = json.loads(config.read_text())
+    except ValueError:
+        return False  # named by the loader, with the file
+    reduced = isinstance(d, dict) and d.get("vocab_size") is not None and d.get("draft_vocab_size") not in (
+        None, d.get("vocab_size"))
+    return (config.parent / "draft_vocab.json").is_file() or reduced
 
 
 def _ecosystem_problems(key: str, value: str | None) -> list[str]:
@@ -346,7 +358,7 @@ def _run_input_problems(cfg: RunConfig) -> list[str]:
 
 def validate_eval(cfg: RunConfig) -> None:
     _fail(config_problems(cfg) + _required(cfg, "eval.drafter", "the drafter directory to measure")
-          + _drafter_dir_problems("eval.drafter", cfg.eval.drafter, draft_vocab=cfg.eval.draft_vocab == "auto")
+          + _drafter_dir_problems("eval.drafter", cfg.eval.drafter, draft_vocab=cfg.eval.draft_vocab != "full")
           + _ecosystem_problems("eval.drafter", cfg.eval.drafter)
           + target_problems(cfg)
           + _prompt_set_problems(cfg.eval.prompts))

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from dflash_train.model.drafter.export.draft_vocab import DRAFT_VOCAB, read_draft_vocab
+
 pytestmark = pytest.mark.slow
 
 
@@ -26,13 +28,17 @@ def test_tiny_recipe_runs_end_to_end_on_smollm2(tmp_path):
     assert config["dflash_config"]["target_layer_ids"] == [1, 8, 14, 20, 27]  # z-lab ids for 30 layers
     report = json.loads((out / "eval" / "report.json").read_text())
     assert set(report["sets"]) == {"assistant", "chitchat"}
-    # the training softmax's tokens (loss.train_vocab) travel with the export; the eval's headline drafts
-    # over the whole lm_head (as the engines do) and reports the draft vocabulary's decode beside it
-    vocab = json.loads((out / "drafter" / "draft_vocab.json").read_text())["ids"]
-    assert report["draft_vocab"] is None and len(vocab) == report["draft_vocab_beside"] >= 4096 and vocab == sorted(vocab)
-    assert all("draft_vocab_figures" in figures for figures in report["sets"].values())
+    # the training softmax's tokens (loss.train_vocab) travel with the export in the form vLLM serves
+    # (draft_vocab_size, the target's lm_head rows, d2t); the eval's headline drafts over them as vLLM does, and
+    # over the whole lm_head, as SGLang serves the same export, beside
+    vocab = read_draft_vocab(out / "drafter", config["vocab_size"])
+    assert vocab.served and config["draft_vocab_size"] == vocab.size >= 4096
+    assert not (out / "drafter" / DRAFT_VOCAB).exists()  # the reduced form is the one record of it
+    assert report["draft_vocab"] == vocab.size and report["headline"]["served_by"] == ["vLLM"]
+    assert report["beside"]["draft_vocab"] is None and report["beside"]["served_by"] == ["SGLang"]
+    assert all("beside" in figures for figures in report["sets"].values())
     for checkpoint in (out / "checkpoints").glob("step_*"):  # so that a checkpoint exports the same
-        assert json.loads((checkpoint / "drafter" / "draft_vocab.json").read_text())["ids"] == vocab
+        assert json.loads((checkpoint / "drafter" / DRAFT_VOCAB).read_text())["ids"] == vocab.ids.tolist()
     for figures in report["sets"].values():  # greedy: lossless, identical or (eval.dtype=auto decodes in bf16 on
         # a CPU with bf16 units) apart only at explained near-ties; anything else fails the eval
         assert figures["num_prompts"] == 2 and figures["identical_outputs"] + figures["near_ties"] == 2, figures

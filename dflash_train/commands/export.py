@@ -1,8 +1,10 @@
 """`dflash-train export --drafter DIR --out OUT [--format zlab|speculators] [--target T]`.
 
 zlab: a clean bf16 copy of a drafter directory (for example a training checkpoint's float32
-`drafter/`). speculators: the `DFlashSpeculator` layout, which also carries the target's embedding
-and lm_head (target.model, loaded on the CPU unless topology.device says otherwise).
+`drafter/`), its draft vocabulary in the engines' reduced form where its head's engines serve one (the
+rows copied from target.model's lm_head). speculators: the `DFlashSpeculator` layout, which also carries
+the target's embedding and lm_head (target.model, loaded on the CPU unless topology.device says otherwise),
+reduced to the draft vocabulary the same way (with speculators' `t2d`).
 """
 
 from __future__ import annotations
@@ -39,5 +41,5 @@ def run(cfg) -> str:
         drafter.config.check_target(target.hidden_size, target.num_layers, target.vocab_size)
         out = save_speculators(drafter, x.out, target.embed_weight, target.lm_head_weight,
                                x.verifier_name or cfg.target.model, list(target.config.architectures or []),
-                               dtype=dtype)
+                               dtype=dtype, draft_vocab=load_draft_vocab(x.drafter, drafter.config.vocab_size))
     return f"{x.format} drafter written to {out}"

@@ -22,6 +22,7 @@ Conventions:
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,7 +36,8 @@ from dflash_train.eval import report as rep
 from dflash_train.eval.spec_decode import DraftHead, GenResult, SpecResult, speculative_generate, target_generate
 from dflash_train.eval.static_decode import StaticDecoder, static_reason
 from dflash_train.model.drafter.backbone import DFlashDrafter
-from dflash_train.model.drafter.export.hf_format import DRAFT_VOCAB, load_draft_vocab
+from dflash_train.model.drafter.export.draft_vocab import DRAFT_VOCAB, DraftVocab, read_draft_vocab
+from dflash_train.model.drafter.heads.architectures import head
 
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 
@@ -86,53 +88,120 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
     return torch.Generator(device=device).manual_seed(seed)
 
 
-def eval_draft_vocab(eval_cfg, drafter_dir, drafter: DFlashDrafter, log=print) -> torch.Tensor | None:
-    """The drafter directory's draft vocabulary that `eval.draft_vocab` uses (auto: beside the headline,
-    subset: as the headline; full: none), said in one line, or None."""
-    if eval_cfg.draft_vocab == "full":
-        return None
-    ids = load_draft_vocab(drafter_dir, drafter.config.vocab_size)
-    if ids is not None:
-        where = "as the headline" if eval_cfg.draft_vocab == "subset" else \
-            "beside the headline, which drafts over the whole lm_head as vLLM and SGLang do"
-        log(f"eval: the drafter's {ids.numel()}-token draft vocabulary ({DRAFT_VOCAB}) is measured {where}")
-    return ids
+@dataclass(frozen=True)
+class Decode:
+    """One decode of the prompt sets: over a draft vocabulary or the whole lm_head, and the engines that serve the
+    drafter directory that way (none: `why_none`)."""
+
+    vocab: DraftVocab | None
+    """None: the whole lm_head."""
+    served_by: tuple[str, ...]
+    why_none: str = ""
+
+    def describe(self) -> str:
+        what = "the whole lm_head" if self.vocab is None else f"the {self.vocab.size:,}-token draft vocabulary"
+        if not self.served_by:
+            return f"{what}, as no engine serves this directory ({self.why_none})"
+        return f"{what}, as {' and '.join(self.served_by)} serve{'s' if len(self.served_by) == 1 else ''} it"
+
+    def record(self) -> dict:
+        """What report.json says of it."""
+        return {"draft_vocab": None if self.vocab is None else self.vocab.size, "served_by": list(self.served_by),
+                "drafts_over": self.describe()}
 
 
-SUBSET_FIGURES = ("tau", "speedup", "cycle_plain_steps", "identical_outputs", "num_prompts")
+def decode_plan(cfg, setting: str, vocab: DraftVocab | None) -> tuple[Decode, Decode | None]:
+    """(the headline decode, the one beside it or None) for `eval.draft_vocab` = `setting`. auto: what vLLM serves
+    as the headline, the directory's draft vocabulary where it is in the engines' reduced form (its head's
+    `Export.reduced_vocab`), with the whole lm_head, what the engines that skip d2t (SGLang) serve, beside; the whole
+    lm_head first where the directory's draft vocabulary is one no engine reads (draft_vocab.json). full / subset:
+    that one decode alone."""
+    reduced_vocab = head(cfg.arch).export.reduced_vocab
+    engines = tuple(e.name for e in head(cfg.arch).served(cfg) if not e.refused)
+    if vocab is not None and vocab.served:
+        reduced = Decode(vocab, tuple(e for e in engines if e in reduced_vocab.served_by))
+        whole = Decode(None, tuple(e for e in engines if e in reduced_vocab.ignored_by), reduced_vocab.not_exported)
+    else:
+        whole = Decode(None, engines, "no engine serves this head with these settings")
+        reduced = None if vocab is None else Decode(vocab, (), _unread_why(reduced_vocab))
+    if setting == "full" or reduced is None:
+        return whole, None
+    if setting == "subset":
+        return reduced, None
+    return (reduced, whole) if vocab.served else (whole, reduced)
+
+
+def _unread_why(reduced_vocab) -> str:
+    if reduced_vocab.exported:
+        return (f"{DRAFT_VOCAB} is read by no engine; `dflash-train export --target T` writes it in the form "
+                f"{' and '.join(reduced_vocab.served_by)} serves: draft_vocab_size, lm_head, d2t")
+    return reduced_vocab.not_exported
+
+
+def eval_draft_vocab(eval_cfg, drafter_dir, drafter: DFlashDrafter, log=print) -> DraftVocab | None:
+    """The drafter directory's draft vocabulary (either form: model/drafter/export/draft_vocab.py), with what
+    `eval.draft_vocab` makes of it said in one line; None where it has none. With `full` it only names the engine
+    the headline stands for: a malformed one is not read (full is the way round it)."""
+    try:
+        vocab = read_draft_vocab(drafter_dir, drafter.config.vocab_size)
+    except ValueError:
+        if eval_cfg.draft_vocab != "full":
+            raise
+        vocab = None
+    if vocab is not None:
+        headline, beside = decode_plan(drafter.config, eval_cfg.draft_vocab, vocab)
+        log(f"eval: the drafter's draft vocabulary ({vocab.source}); the headline drafts over {headline.describe()}"
+            + (f"; beside it, over {beside.describe()}" if beside else ""))
+    return vocab
+
+
+BESIDE_FIGURES = ("tau", "speedup", "cycle_plain_steps", "identical_outputs", "num_prompts")
 
 
 def evaluate_as_served(drafter: DFlashDrafter, target, prompt_sets: dict, vocab_setting: str,
-                       draft_vocab: torch.Tensor | None, **kwargs) -> dict:
-    """`evaluate` with the headline an engine would see: drafting over the whole lm_head (no engine
-    serves a DFlash drafter with a draft vocabulary). With `eval.draft_vocab=auto` and a draft
-    vocabulary, the same prompts are decoded again over it and each set gets its figures beside
-    (`draft_vocab_figures`); `subset` makes the draft vocabulary the headline (`full`: no second run).
-    `simulate`, if given, maps the headline's draft vocabulary to `evaluate`'s simulate."""
-    headline_vocab = draft_vocab if vocab_setting == "subset" else None
+                       draft_vocab: DraftVocab | None, **kwargs) -> dict:
+    """`evaluate` with the headline an engine serves (`decode_plan`: with `eval.draft_vocab=auto` vLLM's, the
+    directory's reduced draft vocabulary where it has one) and, where the plan has one, the same prompts decoded
+    the other way with its figures beside each set's (`beside`). report.json says per decode which engines serve
+    it (`headline`, `beside`, each set's `drafts_over`). `simulate`, if given, maps the headline's draft vocabulary
+    ids (None: the whole lm_head) to `evaluate`'s simulate."""
+    headline, beside = decode_plan(drafter.config, vocab_setting, draft_vocab)
     simulate = kwargs.pop("simulate", None)
-    report = evaluate(drafter, target, prompt_sets, draft_vocab=headline_vocab,
-                      simulate=simulate(headline_vocab) if simulate else None, **kwargs)
-    if draft_vocab is None or vocab_setting != "auto":
-        return report
-    beside = evaluate(drafter, target, prompt_sets, draft_vocab=draft_vocab,
-                      **{k: v for k, v in kwargs.items() if k not in ("out_dir", "warmup")}, warmup=False)
-    for name, figures in beside["sets"].items():
-        report["sets"][name]["draft_vocab_figures"] = {k: figures[k] for k in SUBSET_FIGURES}
-    report["draft_vocab_beside"] = int(draft_vocab.numel())
+    report = evaluate(drafter, target, prompt_sets, **_vocab_args(headline),
+                      simulate=simulate(_vocab_args(headline)["draft_vocab"]) if simulate else None, **kwargs)
+    report["headline"] = headline.record()
+    for figures in (*report["sets"].values(), report["overall"]):
+        figures["drafts_over"] = headline.describe()
+    if beside is not None:
+        # warmed up too: each call decodes fresh cast copies (eval/precision.py), cold on their first prompt
+        other = evaluate(drafter, target, prompt_sets, **_vocab_args(beside),
+                         **{k: v for k, v in kwargs.items() if k != "out_dir"})
+        report["beside"] = beside.record()
+        for name in report["sets"]:
+            report["sets"][name]["beside"] = {**beside.record(), **{k: other["sets"][name][k] for k in BESIDE_FIGURES}}
+        report["overall"]["beside"] = {**beside.record(), **{k: other["overall"][k] for k in BESIDE_FIGURES}}
     if kwargs.get("out_dir") is not None:
         report["report"] = str(rep.write_json(report, Path(kwargs["out_dir"])))
     return report
 
 
-def subset_note(figures: dict) -> str | None:
-    """`(over the draft vocabulary: tau .., speedup ..)` for a set measured both ways, else None."""
-    sub = figures.get("draft_vocab_figures")
-    if not sub:
+def _vocab_args(decode: Decode) -> dict:
+    """`evaluate`'s draft vocabulary arguments for a decode: its ids and the directory's own lm_head rows."""
+    vocab = decode.vocab
+    return {"draft_vocab": None if vocab is None else vocab.ids, "draft_rows": None if vocab is None else vocab.rows}
+
+
+def beside_note(figures: dict) -> str | None:
+    """`the figures above draft over ...; over ... instead: tau .., speedup ..` for a set measured both ways."""
+    beside = figures.get("beside")
+    if not beside:
         return None
-    return (f"over the drafter's draft vocabulary instead: tau {sub['tau']:.3f}, speedup {sub['speedup']:.2f}x "
-            f"(a cycle {sub['cycle_plain_steps']:.2f} plain steps), {sub['identical_outputs']}/{sub['num_prompts']} "
-            "identical")
+    return (f"the figures above draft over {figures['drafts_over']}; over {beside['drafts_over']} instead: "
+            f"tau {beside['tau']:.3f}, speedup {beside['speedup']:.2f}x (a cycle {beside['cycle_plain_steps']:.2f} "
+            f"plain steps), {beside['identical_outputs']}/{beside['num_prompts']} identical")
+
+
+subset_note = beside_note  # the name train/loop.py imports
 
 
 def _decode_both(drafter, target, ids: torch.Tensor, opts: dict, seed: int) -> tuple[SpecResult, GenResult]:
@@ -154,9 +223,9 @@ def _decode_sets(drafter, target, encoded: dict, settings: dict, seed: int, prog
     """Every set decoded both ways in the eval's dtype and decoder: (results, the options used, seconds)."""
     dtype = precision.resolve(settings.pop("dtype"), target.dtype, target.embed_weight.device)
     target, drafter = precision.cast_pair(target, drafter, dtype)
-    draft_vocab, decoder = settings.pop("draft_vocab"), settings.pop("decoder")
+    draft_vocab, rows, decoder = settings.pop("draft_vocab"), settings.pop("draft_rows"), settings.pop("decoder")
     opts = {**settings, "dtype": dtype,
-            "draft_head": DraftHead.of(target.lm_head_weight, draft_vocab, drafter.config.scaling)}
+            "draft_head": DraftHead.of(target.lm_head_weight, draft_vocab, drafter.config.scaling, rows)}
     opts["static"], opts["decoder_note"] = _static_decoder(decoder, drafter, target, opts)
     if warmup:  # the first prompt; with the fixed-shape decoder, one of each length bucket (its graphs' capture)
         for ids in _warm_up_prompts(encoded, opts["static"]):
@@ -217,7 +286,8 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
              max_new_tokens: int = 128, temperature: float = 0.0, thinking: bool | None = None,
              block_size: int | None = None, seed: int = 0, out_dir: str | Path | None = None,
              progress: bool = True, warmup: bool = True, heartbeat=None, simulate=None,
-             draft_vocab: torch.Tensor | None = None, text_prompt_tokens: int = DataConfig.text_prompt_tokens,
+             draft_vocab: torch.Tensor | None = None, draft_rows: torch.Tensor | None = None,
+             text_prompt_tokens: int = DataConfig.text_prompt_tokens,
              near_tie_gap: float = EvalConfig.near_tie_gap,
              near_tie_gap_float32: float = EvalConfig.near_tie_gap_float32,
              decoder: str = EvalConfig.decoder, dtype: str = EvalConfig.dtype) -> dict:
@@ -231,7 +301,8 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
     speculative output ids) pairs, returns the simulated acceptance on that very text ({"sim_tau": the
     decode walk, "sim_tau_anchors": per anchor}; `train/watch/simulate.py`), kept in the set's figures: the
     train/serve check (a gap means the decode loop and training disagree). `draft_vocab` [V'] restricts
-    the drafts to those token ids (spec_decode.DraftHead; the output is the same). Text sets' documents
+    the drafts to those token ids (spec_decode.DraftHead; the output is the same), scored with `draft_rows` [V', H]
+    (a directory's own reduced lm_head, as vLLM drafts) or else the target's rows at them. Text sets' documents
     are cut after `text_prompt_tokens` tokens (`data.text_prompt_tokens`). Greedy outputs that leave plain
     decoding other than at an explained near-tie (`eval/lossless.py`, `near_tie_gap*`) raise `LosslessError`
     after the report is written. `decoder` (`eval.decoder`) picks the fixed-shape loops or the dynamic ones;
@@ -250,7 +321,8 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
     try:
         results, opts, seconds = _decode_sets(drafter, target, encoded, dict(
             max_new_tokens=max_new_tokens, eos=eos, temperature=temperature, block_size=block_size,
-            draft_vocab=draft_vocab, decoder=decoder, dtype=dtype), seed, progress, warmup, heartbeat)
+            draft_vocab=draft_vocab, draft_rows=draft_rows, decoder=decoder, dtype=dtype), seed, progress, warmup,
+            heartbeat)
     finally:
         drafter.train(was_training)
     report = _assemble(results, block_size, drafter.drafted(block_size), opts, thinking, seed, seconds)

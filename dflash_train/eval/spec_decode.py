@@ -271,7 +271,7 @@ def draft_hidden(drafter: DFlashDrafter, ctx: ContextCache, anchor: int, embed_w
 
 @dataclass
 class DraftHead:
-    """The lm_head rows the drafter proposes from: all V, or a draft vocabulary (`ids`, sorted).
+    """The lm_head rows the drafter proposes from: all V, or a draft vocabulary (`ids`, the token of each row).
 
     A draft vocabulary (the tokens the drafter's training softmax ran over, `loss.train_vocab`) is
     the FR-Spec idea (Zhao et al. 2025): the drafter scores only those rows, so on a CPU its lm_head
@@ -291,11 +291,14 @@ class DraftHead:
 
     @classmethod
     def of(cls, lm_head_weight: torch.Tensor, ids: torch.Tensor | None = None,
-           scaling: Scaling = Scaling()) -> "DraftHead":
+           scaling: Scaling = Scaling(), rows: torch.Tensor | None = None) -> "DraftHead":
+        """The whole lm_head [V, H], or its rows at `ids`; `rows` [V', H]: a drafter directory's own reduced lm_head
+        (vLLM drafts with it), in the whole one's dtype and device, instead of those rows."""
         if ids is None:
             return cls(lm_head_weight, None, lm_head_weight.shape[0], scaling)
         ids = ids.to(lm_head_weight.device, torch.long)
-        return cls(lm_head_weight[ids].contiguous(), ids, lm_head_weight.shape[0], scaling)
+        weight = lm_head_weight[ids] if rows is None else rows.to(lm_head_weight.device, lm_head_weight.dtype)
+        return cls(weight.contiguous(), ids, lm_head_weight.shape[0], scaling)
 
     def __call__(self, slots: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [n, V] of slot hidden states [n, H] (n = the drafted tokens), on the weight's device;

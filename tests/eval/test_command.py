@@ -11,6 +11,7 @@ from dflash_train.eval.evaluate import eos_token_ids, evaluate, prompt_messages
 from dflash_train.eval.report import HISTOGRAM_PNG, PER_POSITION_PNG
 from dflash_train.model.drafter.config import drafter_config_from_target
 from dflash_train.model.drafter.backbone import DFlashDrafter
+from dflash_train.model.drafter.export.export import export_drafter
 from dflash_train.model.drafter.export.hf_format import DRAFT_VOCAB, draft_vocab_file, save_zlab
 from dflash_train.model.target.target import resolve_mask_token_id
 
@@ -94,36 +95,72 @@ def test_cli_eval_end_to_end(tiny_qwen3_target, tiny_qwen3_dir, prompts_file, tm
     assert report["draft_vocab"] is None and "draft vocabulary" not in text  # the directory has none
 
 
-def test_cli_eval_headline_is_the_whole_lm_head_with_the_draft_vocabulary_beside(
+def _eval_each_mode(drafter_dir, target_dir, prompts_file, out, capsys) -> tuple[dict, dict]:
+    """`dflash-train eval` of the drafter directory with eval.draft_vocab auto, full and subset: (reports, texts)."""
+    args = ["eval", "--drafter", str(drafter_dir), "--target", str(target_dir), "--prompts", str(prompts_file),
+            "--num-prompts", "2", "--max-new-tokens", "8", "--device", "cpu", "--thinking", "off", "--no-progress",
+            "eval.dtype=target"]  # float32: identical outputs, not near-ties
+    reports, texts = {}, {}
+    for mode in ("auto", "full", "subset"):
+        rc = main(args + ["--out", str(out / mode), "--draft-vocab", mode])
+        texts[mode] = capsys.readouterr().out
+        assert rc == 0, texts[mode]
+        reports[mode] = json.loads((out / mode / "report.json").read_text())
+        assert reports[mode]["sets"]["mine"]["identical_outputs"] == 2  # lossless either way (float32 greedy)
+    return reports, texts
+
+
+def _assert_beside_is_the_other_decode(reports, first: str, second: str) -> None:
+    """auto's headline is the `first` mode's decode and its figures beside the `second` mode's."""
+    auto = reports["auto"]["sets"]["mine"]
+    assert auto["tau"] == reports[first]["sets"]["mine"]["tau"]
+    assert auto["beside"]["tau"] == reports[second]["sets"]["mine"]["tau"]
+    assert "beside" not in reports["subset"] and "beside" not in reports["full"]
+
+
+def test_cli_eval_headline_is_the_draft_vocabulary_vllm_serves_with_the_whole_lm_head_beside(
         tiny_qwen3_target, tiny_qwen3_dir, prompts_file, tmp_path, capsys):
-    """auto: the headline drafts over the whole lm_head (as the engines serve), the draft vocabulary's
-    figures beside; subset: the draft vocabulary as the headline; full: no second run."""
+    """An export with a draft vocabulary in vLLM's reduced form (draft_vocab_size, lm_head, d2t): auto's headline
+    drafts over it with the export's own rows, as vLLM serves it, and the whole lm_head, as SGLang serves it, is
+    beside; full and subset measure one of the two, each naming its engine."""
+    drafter_dir = export_drafter(_drafter(tiny_qwen3_target.config, tiny_qwen3_target.tokenizer), tmp_path / "drafter",
+                                 str(tiny_qwen3_dir), dtype=torch.float32, draft_vocab=torch.arange(0, 200, 2),
+                                 log=lambda m: None)
+    assert not (drafter_dir / DRAFT_VOCAB).exists()  # the reduced form is the one record of it
+    reports, texts = _eval_each_mode(drafter_dir, tiny_qwen3_dir, prompts_file, tmp_path, capsys)
+    vllm, sglang = {"draft_vocab": 100, "served_by": ["vLLM"]}, {"draft_vocab": None, "served_by": ["SGLang"]}
+    assert reports["auto"]["headline"].items() >= vllm.items() and reports["auto"]["draft_vocab"] == 100
+    assert reports["auto"]["beside"].items() >= sglang.items()
+    assert reports["full"]["headline"].items() >= sglang.items() and reports["full"]["draft_vocab"] is None
+    assert reports["subset"]["headline"].items() >= vllm.items() and reports["subset"]["draft_vocab"] == 100
+    _assert_beside_is_the_other_decode(reports, "subset", "full")
+    assert ("the headline drafts over the 100-token draft vocabulary, as vLLM serves it; beside it, over the whole "
+            "lm_head, as SGLang serves it") in texts["auto"]
+    assert "over the whole lm_head, as SGLang serves it instead: tau" in texts["auto"]
+
+
+def test_cli_eval_a_draft_vocab_json_no_engine_reads_is_beside_the_whole_lm_head(
+        tiny_qwen3_target, tiny_qwen3_dir, prompts_file, tmp_path, capsys):
+    """A directory whose draft vocabulary is draft_vocab.json (a checkpoint's drafter/, an export from before the
+    reduced form): every engine drafts over the whole lm_head, auto's headline; the draft vocabulary is beside,
+    named as served by no engine; a malformed file fails in validation, and full is the way round it."""
     drafter_dir = save_zlab(_drafter(tiny_qwen3_target.config, tiny_qwen3_target.tokenizer), tmp_path / "drafter",
                             dtype=torch.float32)
     (drafter_dir / DRAFT_VOCAB).write_text(json.dumps(draft_vocab_file(range(0, 200, 2))))
+    reports, texts = _eval_each_mode(drafter_dir, tiny_qwen3_dir, prompts_file, tmp_path, capsys)
+    assert reports["auto"]["headline"]["served_by"] == ["vLLM", "SGLang"] and reports["auto"]["draft_vocab"] is None
+    assert reports["auto"]["beside"]["draft_vocab"] == 100 and reports["auto"]["beside"]["served_by"] == []
+    assert reports["subset"]["draft_vocab"] == 100 and reports["full"]["draft_vocab"] is None
+    _assert_beside_is_the_other_decode(reports, "full", "subset")
+    assert "as no engine serves this directory (draft_vocab.json is read by no engine" in texts["auto"]
     args = ["eval", "--drafter", str(drafter_dir), "--target", str(tiny_qwen3_dir), "--prompts", str(prompts_file),
-            "--num-prompts", "2", "--max-new-tokens", "8", "--device", "cpu", "--thinking", "off", "--no-progress",
-            "eval.dtype=target"]  # float32: identical outputs, not near-ties
-    reports = {}
-    for mode in ("auto", "full", "subset"):
-        rc = main(args + ["--out", str(tmp_path / mode), "--draft-vocab", mode])
-        text = capsys.readouterr().out
-        assert rc == 0, text
-        assert ("100-token draft vocabulary" in text) == (mode != "full")
-        assert ("over the drafter's draft vocabulary instead" in text) == (mode == "auto")
-        reports[mode] = json.loads((tmp_path / mode / "report.json").read_text())
-    assert reports["auto"]["draft_vocab"] is None and reports["full"]["draft_vocab"] is None
-    assert reports["subset"]["draft_vocab"] == 100 and reports["auto"]["draft_vocab_beside"] == 100
-    beside = reports["auto"]["sets"]["mine"]["draft_vocab_figures"]
-    assert beside["tau"] == reports["subset"]["sets"]["mine"]["tau"]  # the same decode, reported beside
-    assert reports["auto"]["sets"]["mine"]["tau"] == reports["full"]["sets"]["mine"]["tau"]
-    for mode in reports:  # lossless either way (float32 greedy)
-        assert reports[mode]["sets"]["mine"]["identical_outputs"] == 2
+            "--num-prompts", "1", "--max-new-tokens", "4", "--device", "cpu", "--no-progress", "--out",
+            str(tmp_path / "bad")]
     (drafter_dir / DRAFT_VOCAB).write_text('{"ids": [1, -3]}')  # fails in validation, before the target loads
-    rc = main(args + ["--out", str(tmp_path / "bad")])
+    rc = main(args)
     text = capsys.readouterr().out
     assert rc == 2 and "draft_vocab.json: field 'ids' must list token ids" in text and "target: loading" not in text
-    rc = main(args + ["--out", str(tmp_path / "bad"), "--draft-vocab", "full"])  # the way round a bad file
+    rc = main(args + ["--draft-vocab", "full"])  # the way round a bad file
     assert rc == 0, capsys.readouterr().out
 
 

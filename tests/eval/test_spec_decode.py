@@ -125,6 +125,21 @@ def test_a_draft_vocabulary_scores_only_its_rows(rows):
     assert (full.argmax(-1) != restricted.argmax(-1)).any()  # the subset changes some drafts here
 
 
+def test_a_directorys_own_reduced_lm_head_drafts_as_vllm_computes_its_logits():
+    """A reduced export's own lm_head rows in draft order and d2t (model/drafter/export/draft_vocab.py): the eval's
+    head over them gives the logits vLLM scatters through d2t (engine_view, after qwen3_dflash.py compute_logits),
+    not the target's rows at those tokens."""
+    from dflash_train.model.drafter.export.engine_view import engine_draft_logits
+
+    g = torch.Generator().manual_seed(0)
+    weight, hidden = torch.randn(50, 8, generator=g), torch.randn(4, 8, generator=g)
+    ids = torch.tensor([30, 1, 49, 4])  # draft order need not be token order
+    rows = torch.randn(4, 8, generator=g)  # the directory's own rows: vLLM drafts with them
+    want = engine_draft_logits(hidden, rows, ids - torch.arange(4), 50, SimpleNamespace(), {})
+    torch.testing.assert_close(DraftHead.of(weight, ids, rows=rows)(hidden), want)
+    assert not torch.allclose(DraftHead.of(weight, ids)(hidden)[:, ids], want[:, ids])  # the target's rows differ
+
+
 def test_draft_logits_are_scaled_as_the_targets_before_the_subset_masks_the_rest():
     """A target's output_multiplier and soft cap apply to the drafter's scores too (model/target/scaling.py), inside
     a draft vocabulary as over the whole head, and the tokens outside stay -inf (tanh(-inf) would be -cap)."""

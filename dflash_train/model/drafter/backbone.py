@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from dflash_train.model.drafter.attention import SLIDING, attend, inference_mask
 from dflash_train.model.drafter.shape import BASE_HEAD, DrafterShape
-from dflash_train.model.drafter.head import SGLANG, VLLM, Engine, Export, Foreign, Head
+from dflash_train.model.drafter.head import SGLANG, VLLM, Engine, Export, Foreign, Head, ReducedVocab
 
 
 class RMSNorm(nn.Module):
@@ -338,7 +338,13 @@ class ContextCache:
 
 HEAD = Head(
     name=BASE_HEAD, module=DFlashDrafter, published_block=16,  # the paper's block
-    export=Export(("DFlashDraftModel",), speculators_type="dflash"),
+    # A draft vocabulary is exported in vLLM's reduced form: DFlashQwen3ForCausalLM builds its lm_head with
+    # draft_vocab_size rows, loads `d2t` as draft_id_to_target_id and scatters the logits back to vocab_size
+    # (vllm/model_executor/models/qwen3_dflash.py __init__ / load_weights / compute_logits). SGLang's
+    # DFlashDraftModel.load_weights skips names it has no parameter for (python/sglang/srt/models/dflash.py) and
+    # drafts over the target's lm_head: the whole vocabulary, as before.
+    export=Export(("DFlashDraftModel",), speculators_type="dflash",
+                  reduced_vocab=ReducedVocab(served_by=(VLLM,), ignored_by=(SGLANG,))),
     engines=(Engine(VLLM, "dflash"), Engine(SGLANG, "DFLASH", extra_tokens=1)),
     foreign=Foreign(speculators_type="dflash"),
 )

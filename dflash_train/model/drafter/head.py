@@ -40,6 +40,31 @@ class Engine:
 
 
 @dataclass(frozen=True)
+class ReducedVocab:
+    """How the engines treat a reduced draft vocabulary of this head: config.json `draft_vocab_size` n (its
+    `vocab_size` stays the target's), the drafter's own `lm_head.weight` [n, H] and `d2t` [n] int64 with
+    target id = draft id + d2t[draft id] (EAGLE-3's layout, which vLLM reads for the DFlash family:
+    vllm/model_executor/models/qwen3_dflash.py DFlashQwen3ForCausalLM.load_weights / compute_logits).
+    model/drafter/export/draft_vocab.py writes and reads it from this declaration alone."""
+
+    served_by: tuple[str, ...] = ()
+    """Engines that draft over the reduced vocabulary as it was trained."""
+    ignored_by: tuple[str, ...] = ()
+    """Engines that load such a drafter but skip `lm_head` and `d2t`: they draft over the target's whole lm_head."""
+    not_exported: str = ""
+    """Why our export keeps the whole vocabulary (the draft vocabulary beside, in draft_vocab.json, for our eval
+    only), naming the engine code: another engine would refuse the reduced form or serve it wrong."""
+    draft_rows: tuple[str, ...] = ()
+    """This head's tensors that a reduced checkpoint stores with one row per draft token instead of one per
+    token (read back into ours at the draft ids; the other rows are never read: their logits are -inf)."""
+
+    @property
+    def exported(self) -> bool:
+        """An export of a drafter with a draft vocabulary writes it in the engines' reduced form."""
+        return bool(self.served_by) and not self.not_exported
+
+
+@dataclass(frozen=True)
 class Export:
     """How a head's drafter appears in config.json, as the engines read it."""
 
@@ -57,6 +82,9 @@ class Export:
     """Other `architectures` lists that name the same drafter (other trainers' exports)."""
     speculators_type: str | None = None
     """`speculators_model_type` of the speculators-format export; None: that format has no place for it."""
+    reduced_vocab: ReducedVocab = ReducedVocab(not_exported="no engine is known to serve a reduced draft "
+                                                             "vocabulary of this head")
+    """How the engines treat a reduced draft vocabulary of it (`ReducedVocab`)."""
 
     def written(self) -> tuple[str, ...]:
         """Every key this head writes: its settings' keys and its constants."""

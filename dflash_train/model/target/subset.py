@@ -82,6 +82,17 @@ def load_subset(config, directory: Path, subset: TargetSubset, dtype: torch.dtyp
     return model
 
 
+def read_lm_head(directory: str | Path, dtype: torch.dtype, trust_remote_code: bool = False) -> torch.Tensor:
+    """The target's lm_head weight [V, H] on the CPU in `dtype` (its input embedding where the two are tied),
+    read by name from its safetensors without the rest of the model: what an export copies its draft
+    vocabulary's rows from (model/drafter/export/draft_vocab.py)."""
+    from transformers import AutoConfig  # heavy; only when an export writes a draft vocabulary
+
+    config = AutoConfig.from_pretrained(str(directory), local_files_only=True, trust_remote_code=trust_remote_code)
+    model = load_subset(config, Path(directory), TargetSubset(), dtype, torch.device("cpu"), trust_remote_code)
+    return model.get_output_embeddings().weight.detach()
+
+
 def _wanted(model: nn.Module, subset: TargetSubset) -> tuple[set[int], set[int]]:
     """Ids of the Parameters to read: required (embedding, lm_head, final norm) and optional
     (the last decoder layers: a layer tensor the checkpoint names differently is not copied)."""

@@ -14,8 +14,10 @@ failure (each naming its field) rather than stopping at the first:
   was trained with, and nothing an engine refuses (model/drafter/export/engine_rules.py, one rule per engine and key,
   each naming the engine code it mirrors); a failure names the engines that would refuse the drafter
   (`Failure.refused_by`);
-- weights: the exact key set and shapes, no `model.` prefix, no embeddings / lm_head / token maps;
-  every tensor in the dtype config.json declares, and finite;
+- weights: the exact key set and shapes, no `model.` prefix, no embeddings / lm_head / token maps
+  but a reduced draft vocabulary's own lm_head and d2t (model/drafter/export/draft_vocab.py: `draft_vocab_size`
+  where vLLM reads it, d2t mapping each draft id to its own token inside the vocabulary, the lm_head rows the
+  target's at those tokens); every float tensor in the dtype config.json declares, and finite;
 - scaling: `dflash_config.input_embedding_scale`, `output_multiplier` and `final_logit_softcapping`
   are values an engine can apply and equal the target's own (model/target/scaling.py); which engines ignore
   them is said beside the verdict (`engine_notes`);
@@ -41,6 +43,7 @@ from dflash_train.model.drafter.attention import MaskSpec, build_training_masks
 from dflash_train.model.drafter.config import DrafterConfig, last_layer_tap_problem, rope_theta_of
 from dflash_train.model.drafter.backbone import DFlashDrafter
 from dflash_train.model.drafter.head import SGLANG
+from dflash_train.model.drafter.export import draft_vocab
 from dflash_train.model.drafter.export.hf_format import TRAINED_AGAINST, drafter_config_from_zlab, load_zlab
 from dflash_train.model.target.scaling import Scaling, scale_embeddings, scale_logits, scaling_problems, target_scaling
 from dflash_train.model.target.identity import TargetInfo, safetensors_shapes, serve_note
@@ -79,12 +82,13 @@ class ServingContractError(ValueError):
 
 
 def check_drafter(drafter_dir: str | Path, target: TargetInfo | None = None,
-                  trained: DFlashDrafter | None = None) -> list[Failure]:
+                  trained: DFlashDrafter | None = None, target_lm_head: torch.Tensor | None = None) -> list[Failure]:
     """Every way the drafter in `drafter_dir` would be served wrong; [] when none.
 
     target: the target it will be served with (`describe_target`). trained: the trainer's drafter
     that was exported (its config is "training"; its weights, rounded to the stored dtype, give the
-    reference forward); without it the trainer's loader `load_zlab` reads the directory."""
+    reference forward); without it the trainer's loader `load_zlab` reads the directory. target_lm_head: the
+    target's lm_head, where the caller holds it (else read from `target` for a reduced draft vocabulary)."""
     drafter_dir = Path(drafter_dir)
     try:
         d = json.loads((drafter_dir / "config.json").read_text())
@@ -100,12 +104,14 @@ def check_drafter(drafter_dir: str | Path, target: TargetInfo | None = None,
         cfg = drafter_config_from_zlab(d, str(drafter_dir / "config.json"))
     except (ValueError, TypeError) as e:
         return failures + [Failure("config", f"the trainer cannot read it: {e}")] + identity
+    reduced = draft_vocab.served_rows(shapes, cfg)
     failures += check_engines(cfg) + check_engine_view(drafter_dir, d, cfg)
-    failures += check_placement(d, trained.config if trained is not None else cfg)
+    failures += check_placement(d, trained.config if trained is not None else cfg, reduced)
     if trained is not None:
         failures += check_training(cfg, trained.config)
-    failures += check_weights(shapes, cfg, skip_fc=any(f.field.endswith("target_layer_ids") for f in failures))
-    failures += check_tensors(weight_files, d)
+    failures += check_weights(shapes, cfg, skip_fc=any(f.field.endswith("target_layer_ids") for f in failures),
+                              reduced=reduced is not None)
+    failures += check_tensors(weight_files, d) + check_draft_vocab(drafter_dir, d, cfg, reduced, target, target_lm_head)
     if not failures:  # a forward needs loadable weights and a config both sides read alike
         failures += check_forward(drafter_dir, d, cfg, trained)
     return failures + identity
@@ -247,13 +253,14 @@ def target_text_config(hf_dir: str):
         return config.get("text_config") or config
 
 
-def check_placement(d: dict, cfg: DrafterConfig) -> list[Failure]:
+def check_placement(d: dict, cfg: DrafterConfig, draft_vocab_size: int | None = None) -> list[Failure]:
     """Each key of the drafter's head where vLLM and SGLang read it, with the value it was trained with
-    (model/drafter/export/engine_rules.py: one rule per engine and key, each citing the engine code it mirrors). A key
+    (model/drafter/export/engine_rules.py: one rule per engine and key, each citing the engine code it mirrors), and
+    `draft_vocab_size` where the weights carry a reduced draft vocabulary of that many rows. A key
     the head writes that no engine rule covers (a head only one engine's loader reads, such as Domino's)
     must be where the head's `Export` puts it, with the value it was trained with."""
     export = head(cfg.arch).export
-    expected = expected_keys(export, cfg)
+    expected = expected_keys(export, cfg, draft_vocab_size)
     out = [Failure(f.field, f.message, f.refused_by) for f in engine_placement(d, expected)]
     ruled = {rule.key for rule in READS}
     where, prefix = (d, "") if export.top_level else (d.get("dflash_config") or {}, "dflash_config.")
@@ -268,6 +275,7 @@ def check_placement(d: dict, cfg: DrafterConfig) -> list[Failure]:
     return out
 
 
+INTEGER_DTYPES = ("I64", "I32", "I16", "I8", "U8", "BOOL")
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32", "F64": "float64",
                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
@@ -281,8 +289,8 @@ def check_tensors(weight_files: list[Path], d: dict) -> list[Failure]:
     declared = d.get("dtype") or d.get("torch_dtype")
     wrong, bad = [], []
     for path in weight_files:
-        for name, dtype in _header_dtypes(path).items():
-            if declared and SAFETENSORS_DTYPES.get(dtype, dtype) != declared:
+        for name, dtype in _header_dtypes(path).items():  # integer tensors (d2t) are not cast to the model's dtype
+            if declared and dtype not in INTEGER_DTYPES and SAFETENSORS_DTYPES.get(dtype, dtype) != declared:
                 wrong.append(f"{name} is {SAFETENSORS_DTYPES.get(dtype, dtype)}")
         with safe_open(str(path), "pt") as f:
             for name in f.keys():
@@ -363,22 +371,24 @@ def check_training(cfg: DrafterConfig, trained: DrafterConfig) -> list[Failure]:
     return out
 
 
-def check_weights(shapes: dict, cfg: DrafterConfig, skip_fc: bool = False) -> list[Failure]:
-    """Exact key set and shapes, as stored (`model.` prefix and shared tensors are failures)."""
+def check_weights(shapes: dict, cfg: DrafterConfig, skip_fc: bool = False, reduced: bool = False) -> list[Failure]:
+    """Exact key set and shapes, as stored (`model.` prefix and shared tensors are failures, but the lm_head and
+    d2t of a `reduced` draft vocabulary, which `check_draft_vocab` checks)."""
     out = []
     prefixed = sorted(n for n in shapes if n.startswith(engine_view.SKIPPED_PREFIX))
     if prefixed:
         out.append(Failure("weights.prefix", f"{len(prefixed)} tensors carry a `model.` prefix (e.g. {prefixed[0]}): "
                                              "the z-lab format has none"))
     plain = {n.removeprefix(engine_view.SKIPPED_PREFIX): s for n, s in shapes.items()}
-    shared = sorted(n for n in plain if n.endswith(FORBIDDEN_WEIGHTS))
+    own = (draft_vocab.LM_HEAD, draft_vocab.D2T) if reduced else ()
+    shared = sorted(n for n in plain if n.endswith(FORBIDDEN_WEIGHTS) and n not in own)
     if shared:
         out.append(Failure("weights.shared", f"carries {shared}: vLLM would use them instead of the target's "
                                              "embedding and lm_head, SGLang ignores them"))
     with torch.device("meta"):
         expected = {k: tuple(v.shape) for k, v in build_drafter(cfg).state_dict().items()}
     missing = sorted(set(expected) - set(plain))
-    unexpected = sorted(set(plain) - set(expected) - set(shared))
+    unexpected = sorted(set(plain) - set(expected) - set(shared) - set(own))
     if missing:
         out.append(Failure("weights.missing", f"{missing[:8]}{' ...' if len(missing) > 8 else ''} "
                                               f"({len(missing)}): neither engine checks, both would serve random "
@@ -391,6 +401,20 @@ def check_weights(shapes: dict, cfg: DrafterConfig, skip_fc: bool = False) -> li
     if wrong:
         out.append(Failure("weights.shape", "; ".join(wrong[:4])))
     return out
+
+
+def check_draft_vocab(drafter_dir: Path, d: dict, cfg: DrafterConfig, reduced: int | None, target: TargetInfo | None,
+                      target_lm_head: torch.Tensor | None) -> list[Failure]:
+    """A reduced draft vocabulary (`reduced` rows of lm_head, or None) as vLLM reads it
+    (model/drafter/export/draft_vocab.py `served_form_problems`), its lm_head rows compared with the target's where
+    the target is given; nothing for a whole-vocabulary drafter."""
+    if target_lm_head is None and target is not None and reduced is not None:
+        from dflash_train.model.target.subset import read_lm_head  # reads the target's lm_head only
+
+        stored = draft_vocab.read_tensor(draft_vocab.tensor_files(drafter_dir)[draft_vocab.LM_HEAD]).dtype
+        target_lm_head = read_lm_head(target.path, stored)
+    return [Failure(field, message) for field, message in
+            draft_vocab.served_form_problems(drafter_dir, d, cfg, target_lm_head)]
 
 
 def check_target_identity(d: dict, target: TargetInfo) -> list[Failure]:
@@ -415,7 +439,7 @@ def check_forward(drafter_dir: Path, d: dict, cfg: DrafterConfig, trained: DFlas
     from safetensors.torch import load_file
 
     tensors = {n: t for path in sorted(drafter_dir.glob("*.safetensors")) for n, t in load_file(str(path)).items()}
-    stored_dtype = next(iter(tensors.values())).dtype
+    stored_dtype = next(t.dtype for t in tensors.values() if t.is_floating_point())
     if trained is None:
         ours = load_zlab(drafter_dir, dtype=torch.float32)
     else:  # the exported weights are the trained ones rounded to the stored dtype

@@ -15,7 +15,9 @@ The formats, as their writers write them (read from their code, 2026-12):
   `sliding_window_non_causal` (sliding layers are causal inside the block unless it is true),
   `sample_from_anchor` (DSpark drafts from the anchor's slot, DFlash does not) and the heads' fields at
   the top level; no verifier layer count (the target's is used). Tensor names are ours; the frozen
-  `lm_head` is saved only with a reduced draft vocabulary.
+  `lm_head` is saved only with a reduced draft vocabulary (`draft_vocab_size` below the verifier's, with `d2t`
+  and `t2d`: read for the heads vLLM serves reduced, as model/drafter/export/draft_vocab.py reads ours; the eval
+  drafts over it as vLLM does).
 - DeepSeek DeepSpec (`Qwen3DSparkModel` without `dflash_config`; deepspec/modeling/dspark/qwen3): the
   target's own config copied, with `block_size`, `target_layer_ids` (z-lab ids; -1 is the embedding
   output), `mask_token_id`, `num_target_layers`, `num_anchors`, `markov_rank`, `markov_head_type`,
@@ -36,6 +38,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from dflash_train.model.drafter.attention import FULL, SLIDING
+from dflash_train.model.drafter.export.draft_vocab import as_whole_vocabulary, read_served
 from dflash_train.model.drafter.head import Head
 from dflash_train.model.drafter.heads.architectures import HEADS, build_drafter, head
 
@@ -199,9 +202,11 @@ def _from_speculators(d: dict, source: str, num_target_layers: int | None) -> di
         raise UnsupportedDrafter(source, "speculators_config.verifier", "the format records no verifier layer "
                                  "count: load the drafter with its target")
     layer = _layer_config(d, source)
-    if d["draft_vocab_size"] != layer.vocab_size:
+    reduced = h.export.reduced_vocab
+    if d["draft_vocab_size"] != layer.vocab_size and not reduced.served_by:
         raise UnsupportedDrafter(source, "draft_vocab_size", f"{d['draft_vocab_size']} of the verifier's "
-                                 f"{layer.vocab_size} tokens: a reduced draft vocabulary (t2d/d2t) is not read")
+                                 f"{layer.vocab_size} tokens: a reduced draft vocabulary of a {h.name} drafter, which "
+                                 f"no engine serves as trained ({reduced.not_exported}): not measured")
     if d.get("target_hidden_size") not in (None, layer.hidden_size):
         raise UnsupportedDrafter(source, "target_hidden_size", f"{d['target_hidden_size']} differs from the drafter's "
                                  f"{layer.hidden_size}: our drafters run at the target's width")
@@ -267,6 +272,7 @@ def load_drafter(model_dir: str | Path, num_target_layers: int | None = None, de
         cfg = drafter_config_from_zlab(zlab, source)
     except ValueError as e:  # DrafterConfig's own checks do not know the file
         raise ValueError(str(e) if str(e).startswith(source) else f"{source}: {e}") from None
+    read_served(Path(model_dir).expanduser(), cfg.vocab_size, rows=False)  # a reduced vocabulary readable, or named
     drafter = _with_weights(cfg, Path(model_dir).expanduser(), dtype, fills)
     return Loaded(drafter.to(device), fmt, _notes(fmt, cfg, d, fills))
 
@@ -293,7 +299,8 @@ def _with_weights(cfg, model_dir: Path, dtype, fills: tuple[str, ...] = ()):
     """Our drafter of `cfg` holding the directory's weights (the frozen target copies left out)."""
     import torch
 
-    tensors = _filled({k: v for k, v in _read_weights(model_dir).items() if k not in FROZEN_COPIES}, cfg, fills)
+    tensors = {k: v for k, v in _read_weights(model_dir).items() if k not in FROZEN_COPIES}
+    tensors = _filled(as_whole_vocabulary(tensors, cfg, str(model_dir)), cfg, fills)
     with torch.device("meta"):
         drafter = build_drafter(cfg)
     wanted = drafter.state_dict()

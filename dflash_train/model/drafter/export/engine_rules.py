@@ -84,6 +84,11 @@ READS = (
          default="its default mask token's id"),
     Read(SGLANG, "target_layer_ids", _places("dflash_config.target_layer_ids", "target_layer_ids"), _SGL_PARSE,
          default="layer ids it derives from the layer counts (build_target_layer_ids)"),
+    # --- a reduced draft vocabulary (model/drafter/export/draft_vocab.py): vLLM sizes the drafter's lm_head and
+    # d2t by it, else by vocab_size (the whole vocabulary); SGLang reads no such key and drafts over the target's
+    Read(VLLM, "draft_vocab_size", _places("draft_vocab_size"),
+         "vllm/model_executor/models/qwen3_dflash.py DFlashQwen3ForCausalLM.__init__",
+         default="vocab_size (the whole vocabulary)"),
     # --- DFlash 2: vLLM indexes dflash_config[...] (a KeyError without them); SGLang reads them there with
     # default 0, which builds plain DFlash layers and skips the convolution and selector weights
     *(Read(VLLM, key, _places(f"dflash_config.{key}"), _VLLM_DFLASH2)
@@ -120,11 +125,12 @@ class Finding:
     refused_by: tuple[str, ...]
 
 
-def expected_keys(export, cfg) -> dict:
+def expected_keys(export, cfg, draft_vocab_size: int | None = None) -> dict:
     """The values the drafter was trained with, for every key an engine reads: the mask token and
-    tapped layers of every head, then its head's own keys (from its settings) and constants
-    (`export`: the head's `model/drafter/head.py` Export)."""
+    tapped layers of every head, the rows of a reduced draft vocabulary's lm_head where it has one, then its
+    head's own keys (from its settings) and constants (`export`: the head's `model/drafter/head.py` Export)."""
     return {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(cfg.target_layer_ids),
+            **({} if draft_vocab_size is None else {"draft_vocab_size": draft_vocab_size}),
             **{key: getattr(cfg, field) for key, field in export.keys}, **dict(export.constants)}
 
 

@@ -157,6 +157,18 @@ def engine_logits(hidden: torch.Tensor, lm_head: torch.Tensor, hf, dflash: dict)
     return torch.tanh(logits / cap) * cap if cap is not None else logits
 
 
+def engine_draft_logits(hidden: torch.Tensor, lm_head: torch.Tensor, d2t: torch.Tensor, vocab_size: int, hf,
+                        dflash: dict) -> torch.Tensor:
+    """Draft logits [B, vocab_size] of a reduced draft vocabulary as vLLM computes them: the drafter's own lm_head
+    [n, H], then each draft id's logit scattered to token draft id + d2t[draft id], -inf elsewhere
+    (vllm/model_executor/models/qwen3_dflash.py DFlashQwen3ForCausalLM.compute_logits)."""
+    draft = engine_logits(hidden, lm_head, hf, dflash)  # [B, n]
+    targets = torch.arange(d2t.numel()) + d2t.long()
+    out = draft.new_full((draft.shape[0], vocab_size), float("-inf"))
+    out[:, targets] = draft
+    return out
+
+
 def engine_forward(hf, dflash: dict, w: dict[str, torch.Tensor], context_taps: torch.Tensor,
                    block_embeds: torch.Tensor) -> torch.Tensor:
     """Final-normed hidden states [B, H] of one block after C context positions, in float32.

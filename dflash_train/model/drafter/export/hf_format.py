@@ -3,10 +3,12 @@ speculators format (spec 3.2) as an export.
 
 z-lab directory: `config.json` (a Qwen3Config plus DFlash keys) and `model.safetensors` holding
 only `layers.*`, `fc.weight`, `hidden_norm.weight`, `norm.weight` (no embedding, no lm_head: the
-engines use the target's). `block_size` is written at the top level and inside `dflash_config`;
-both places are read, as are `target_layer_ids` at the top level and a `model.` weight prefix. A target's
-embedding and logit scaling (`input_embedding_scale`, `output_multiplier`, `final_logit_softcapping`,
-model/target/scaling.py) goes into `dflash_config` only where it is not the identity.
+engines use the target's), except for a draft vocabulary in the engines' reduced form (`draft_vocab_size`,
+the drafter's own `lm_head.weight` rows and `d2t`: model/drafter/export/draft_vocab.py). `block_size` is written
+at the top level and inside `dflash_config`; both places are read, as are `target_layer_ids` at the top level
+and a `model.` weight prefix. A target's embedding and logit scaling (`input_embedding_scale`,
+`output_multiplier`, `final_logit_softcapping`, model/target/scaling.py) goes into `dflash_config` only where it
+is not the identity.
 Directories are written into a temporary sibling and renamed into place, so a reader never sees a
 half-written checkpoint.
 """
@@ -26,14 +28,13 @@ from dflash_train.model.drafter.heads.architectures import HEADS, PLAIN, build_d
 from dflash_train.model.drafter.attention import FULL, SLIDING
 from dflash_train.model.drafter.config import DrafterConfig
 from dflash_train.model.drafter.backbone import DFlashDrafter
+from dflash_train.model.drafter.export.draft_vocab import (DRAFT_VOCAB, SIZE_KEY, T2D, as_whole_vocabulary,  # noqa: F401
+                                                           draft_vocab_file, load_draft_vocab, served_config,
+                                                           served_tensors)
 from dflash_train.model.target.scaling import FIELDS, Scaling
 from dflash_train.model.target.taps import build_target_layer_ids
 
 WEIGHTS = "model.safetensors"
-DRAFT_VOCAB = "draft_vocab.json"
-"""Optional: the token ids the drafter was trained to propose (its training softmax, `loss.train_vocab`).
-Our eval drafts over them only (`eval.draft_vocab`); JSON, not safetensors, so engines that load every
-*.safetensors of the directory as weights never see it."""
 TRAINED_AGAINST = "trained_against"
 TRAINING_INPUT = "training_input"
 """dflash_config key recording how prompts were rendered in training (`conversations.chat_record`)."""
@@ -51,13 +52,15 @@ KNOWN_KEYS = {
     "max_position_embeddings", "layer_types", "use_sliding_window", "sliding_window", "max_window_layers",
     "tie_word_embeddings", "vocab_size", "dtype", "torch_dtype", "bos_token_id", "eos_token_id",
     "target_layer_ids", "auto_map", "transformers_version", "initializer_range", "use_cache", "is_causal",
-    "mask_token_id",
+    "mask_token_id", SIZE_KEY,
 } | ARCH_KEYS | SCALING_KEYS
 
 
 def zlab_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16,
-                     trained_against: dict | None = None, training_input: dict | None = None) -> dict:
-    """The config.json of a z-lab DFlash drafter (key order as in the published Qwen3-8B one).
+                     trained_against: dict | None = None, training_input: dict | None = None,
+                     draft_vocab: torch.Tensor | None = None) -> dict:
+    """The config.json of a z-lab DFlash drafter (key order as in the published Qwen3-8B one), with
+    `draft_vocab_size` where `draft_vocab` (token ids) is exported in the engines' reduced form.
 
     `trained_against` (the target's identity, `TargetInfo.provenance()`) goes into
     `dflash_config.trained_against`, a key the engines do not read; without it, one carried in
@@ -92,6 +95,7 @@ def zlab_config_dict(cfg: DrafterConfig, dtype: torch.dtype = torch.bfloat16,
         **_causal_keys(cfg, "is_causal"),
         "tie_word_embeddings": False,
         "vocab_size": cfg.vocab_size,
+        **served_config(draft_vocab),
         "dtype": str(dtype).removeprefix("torch."),
         "bos_token_id": cfg.bos_token_id,
         "eos_token_id": cfg.eos_token_id,
@@ -271,12 +275,22 @@ def refuse_non_finite(tensors: dict, source: str, action: str) -> None:
 
 
 def zlab_files(drafter: DFlashDrafter, dtype: torch.dtype, extra_files: dict | None, trained_against: dict | None,
-                draft_vocab: torch.Tensor | None, training_input: dict | None) -> dict:
-    """{file name: writer(path)} of a z-lab directory (tensors cast to `dtype`)."""
+                draft_vocab: torch.Tensor | None, training_input: dict | None,
+                target_lm_head: torch.Tensor | None = None) -> dict:
+    """{file name: writer(path)} of a z-lab directory (tensors cast to `dtype`). A draft vocabulary (token ids)
+    is written in the engines' reduced form where the target's lm_head is given to copy its rows from (a head
+    whose engines serve it: `Export.reduced_vocab.exported`), else kept as DRAFT_VOCAB."""
+    served = draft_vocab if target_lm_head is not None else None
+    if served is not None and not head(drafter.config.arch).export.reduced_vocab.exported:
+        raise ValueError(f"a {drafter.config.arch} drafter's draft vocabulary is not exported in the reduced form: "
+                         f"{head(drafter.config.arch).export.reduced_vocab.not_exported}")
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
-    files = {"config.json": _write_json(zlab_config_dict(drafter.config, dtype, trained_against, training_input)),
+    if served is not None:
+        tensors.update(served_tensors(served, target_lm_head, dtype))
+    config = zlab_config_dict(drafter.config, dtype, trained_against, training_input, served)
+    files = {"config.json": _write_json(config),
              WEIGHTS: lambda p: save_file(tensors, str(p), metadata={"format": "pt"})}
-    if draft_vocab is not None:
+    if draft_vocab is not None and served is None:
         files[DRAFT_VOCAB] = _write_json(draft_vocab_file(draft_vocab))
     for name, data in (extra_files or {}).items():
         files[name] = _write_json(data)
@@ -306,10 +320,11 @@ def load_zlab(model_dir: str | Path, device="cpu", dtype: torch.dtype | None = N
     for path in files:
         for name, t in load_file(str(path)).items():
             tensors[name.removeprefix("model.")] = t
+    tensors = as_whole_vocabulary(tensors, cfg, str(model_dir))  # a draft vocabulary's own tensors left out
     with torch.device("meta"):
         drafter = build_drafter(cfg)
     missing = set(drafter.state_dict()) - set(tensors)
-    unexpected = set(tensors) - set(drafter.state_dict()) - {"embed_tokens.weight", "lm_head.weight"}
+    unexpected = set(tensors) - set(drafter.state_dict()) - {"embed_tokens.weight"}
     if missing or unexpected:
         settings = ", ".join(f"{key}={getattr(cfg, name)!r}" for key, name in head(cfg.arch).export.keys)
         raise ValueError(f"{model_dir}: weights do not match the config ({cfg.arch} drafter{': ' if settings else ''}"
@@ -319,7 +334,8 @@ def load_zlab(model_dir: str | Path, device="cpu", dtype: torch.dtype | None = N
     return drafter.to(device)
 
 
-def speculators_config_dict(cfg: DrafterConfig, verifier: str, verifier_arch: list[str]) -> dict:
+def speculators_config_dict(cfg: DrafterConfig, verifier: str, verifier_arch: list[str],
+                            draft_vocab_size: int | None = None) -> dict:
     """speculators `DFlashSpeculator` config (spec 3.2): aux ids = z-lab ids + 1. Its DFlash (1) config has no
     field for a target's embedding or logit scaling: a drafter of such a target is refused, naming it."""
     kind = head(cfg.arch).export.speculators_type
@@ -337,7 +353,7 @@ def speculators_config_dict(cfg: DrafterConfig, verifier: str, verifier_arch: li
         "speculators_model_type": kind,
         "architectures": ["DFlashSpeculator"],
         "transformer_layer_config": layer_cfg,
-        "draft_vocab_size": cfg.vocab_size,
+        "draft_vocab_size": draft_vocab_size or cfg.vocab_size,
         "block_size": cfg.block_size,
         "target_hidden_size": None,
         "aux_hidden_state_layer_ids": [i + 1 for i in cfg.target_layer_ids],
@@ -356,40 +372,22 @@ def speculators_config_dict(cfg: DrafterConfig, verifier: str, verifier_arch: li
 
 def save_speculators(drafter: DFlashDrafter, out_dir: str | Path, embed_weight: torch.Tensor,
                      lm_head_weight: torch.Tensor, verifier: str, verifier_arch: list[str],
-                     dtype: torch.dtype = torch.bfloat16) -> Path:
+                     dtype: torch.dtype = torch.bfloat16, draft_vocab: torch.Tensor | None = None) -> Path:
     """speculators layout: the drafter weights plus frozen copies of embed_tokens and lm_head (non-finite
-    weights refused before anything is written; an existing out_dir replaced only if it is ours)."""
+    weights refused before anything is written; an existing out_dir replaced only if it is ours). A draft
+    vocabulary (token ids) of a head the engines serve reduced is written as speculators writes one: lm_head
+    rows at those tokens, `d2t` and the `t2d` mask (which vLLM skips), `draft_vocab_size`."""
+    cfg = drafter.config
+    reduced = draft_vocab if draft_vocab is not None and head(cfg.arch).export.reduced_vocab.exported else None
     tensors = {k: v.detach().to("cpu", dtype).contiguous() for k, v in drafter.state_dict().items()}
     refuse_non_finite(tensors, str(out_dir), "nothing was written")
     tensors["embed_tokens.weight"] = embed_weight.detach().to("cpu", dtype).contiguous()
     tensors["lm_head.weight"] = lm_head_weight.detach().to("cpu", dtype).clone().contiguous()
-    files = {"config.json": _write_json(speculators_config_dict(drafter.config, verifier, verifier_arch)),
+    if reduced is not None:
+        tensors.update(served_tensors(reduced, lm_head_weight, dtype))
+        tensors[T2D] = torch.zeros(cfg.vocab_size, dtype=torch.bool).index_fill_(0, reduced.cpu().long(), True)
+    config = speculators_config_dict(cfg, verifier, verifier_arch, None if reduced is None else reduced.numel())
+    files = {"config.json": _write_json(config),
              WEIGHTS: lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
              EXPORT_MARKER: lambda p: write_export_marker(p.parent)}  # last: it lists the files above
     return _write_dir(out_dir, files)
-
-
-def draft_vocab_file(ids: torch.Tensor | list[int]) -> dict:
-    """The content of DRAFT_VOCAB for sorted token ids."""
-    return {"ids": [int(i) for i in ids], "source": "the drafter's training softmax (loss.train_vocab)"}
-
-
-def load_draft_vocab(model_dir: str | Path, vocab_size: int) -> torch.Tensor | None:
-    """The draft vocabulary [V'] of a drafter directory, or None where it has none or it holds every
-    token (drafting over all rows is the plain head); a malformed file is a ValueError naming the
-    file and the field."""
-    path = Path(model_dir) / DRAFT_VOCAB
-    if not path.is_file():
-        return None
-    try:
-        ids = json.loads(path.read_text())["ids"]
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: expected a JSON object with an 'ids' list of token ids ({type(e).__name__}: {e})")
-    if not isinstance(ids, list):
-        raise ValueError(f"{path}: field 'ids' must be a list of token ids, not {type(ids).__name__}")
-    bad = [i for i in ids if type(i) is not int or not 0 <= i < vocab_size]  # bool is no token id
-    if not ids or bad:
-        raise ValueError(f"{path}: field 'ids' must list token ids in [0, {vocab_size}); "
-                         f"{'it is empty' if not ids else f'bad entries: {bad[:5]}'}")
-    unique = sorted(set(ids))
-    return None if len(unique) == vocab_size else torch.tensor(unique, dtype=torch.long)

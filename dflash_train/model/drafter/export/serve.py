@@ -36,8 +36,20 @@ def engine_notes(drafter_dir: str | Path) -> list[str]:
     refused = [f"{e.name} does not serve this {h.name} drafter: {e.refused}" for e in h.served(settings) if e.refused]
     values = drafter_scaling(d, d.get("dflash_config") or {})
     set_fields = {k: v for k, v in values.items() if not same_value(v, Scaling().as_dict()[k])}
-    return refused + [f"dflash_config.{name}={value}: z-lab's dflash applies it; {ENGINE_SCALING_SUPPORT[name]}"
-                      for name, value in set_fields.items()]
+    return refused + _draft_vocab_notes(d, h) + [
+        f"dflash_config.{name}={value}: z-lab's dflash applies it; {ENGINE_SCALING_SUPPORT[name]}"
+        for name, value in set_fields.items()]
+
+
+def _draft_vocab_notes(d: dict, h) -> list[str]:
+    """How each engine drafts a reduced draft vocabulary (its head's `Export.reduced_vocab`), where there is one."""
+    size, reduced = d.get("draft_vocab_size"), h.export.reduced_vocab
+    if size in (None, d.get("vocab_size")):
+        return []
+    served = f"drafted over these {size} tokens by {' and '.join(reduced.served_by) or 'no engine'} " \
+             "(lm_head.weight, d2t)"
+    ignored = f", over the target's whole lm_head by {' and '.join(reduced.ignored_by)} (it skips them)"
+    return [f"draft_vocab_size={size}: {served}{ignored if reduced.ignored_by else ''}"]
 
 
 def _requests_note(record) -> str:

@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 from dflash_train.model.drafter.backbone import DFlashDecoderLayer, DFlashDrafter, anchor_ids
 from dflash_train.model.drafter.shape import DrafterShape
-from dflash_train.model.drafter.head import SGLANG, VLLM, Engine, Export, Foreign, Head, must_be_positive
+from dflash_train.model.drafter.head import SGLANG, VLLM, Engine, Export, Foreign, Head, ReducedVocab, must_be_positive
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -214,7 +214,11 @@ HEAD = Head(
     # vLLM raises a KeyError without the four keys in dflash_config; both engines serve it as DFlash
     export=Export(("DFlash2DraftModel",), keys=tuple((name, name) for name in
                                                      ("conv_kernel_size", "conv_group_size", "selector_rank",
-                                                      "selector_top_k"))),
+                                                      "selector_top_k")),
+                  reduced_vocab=ReducedVocab(ignored_by=(SGLANG,), not_exported=(
+                      "vLLM's DFlash 2 takes its candidates' top-k over the drafter's own lm_head and uses those draft "
+                      "ids as token ids, with no d2t (vllm/model_executor/models/qwen3_dflash2.py "
+                      "DFlash2Qwen3ForCausalLM.compute_candidates), so it would serve a reduced one wrong"))),
     engines=(Engine(VLLM, "dflash"), Engine(SGLANG, "DFLASH", extra_tokens=1)),
     problems=_problems, parameters=_parameters, outside_muon=("codebook",), small=(("selector_rank", 16),),
     # speculators' DFlash 2 config class trains its sliding layers non-causal inside the block by default

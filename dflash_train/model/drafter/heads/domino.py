@@ -41,7 +41,7 @@ import torch.nn as nn
 
 from dflash_train.model.drafter.backbone import DFlashDrafter, anchor_ids, as_blocks, draw, slot_logits
 from dflash_train.model.drafter.shape import DrafterShape
-from dflash_train.model.drafter.head import SGLANG, VLLM, Engine, Export, Head, must_be_positive
+from dflash_train.model.drafter.head import SGLANG, VLLM, Engine, Export, Head, ReducedVocab, must_be_positive
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,7 +154,10 @@ HEAD = Head(
     published_block=16,  # SpecForge's Qwen3-8B and Qwen3.5-4B Domino configs
     export=Export(("DFlashDraftModel",), keys=(("gru_hidden_dim", "domino_gru_dim"), ("emb_dim", "domino_emb_dim")),
                   constants=(("projector_type", "domino"), ("shift_label", True), ("pure_draft_prefix_len", 1)),
-                  marks=(("projector_type", "domino"),), also_read=(("DominoDraftModel",),)),
+                  marks=(("projector_type", "domino"),), also_read=(("DominoDraftModel",),),
+                  reduced_vocab=ReducedVocab(ignored_by=(SGLANG,), not_exported=(
+                      "vLLM does not serve Domino, and SGLang's DFlash loader skips lm_head and d2t "
+                      "(python/sglang/srt/models/dflash.py DFlashDraftModel.load_weights)"))),
     engines=(Engine(VLLM, refused="vLLM 0.34's DFlash drafter has no Domino head (qwen3_dflash.py builds no "
                                   "prefix_gru or embed_proj, and its loader raises on their weights)"),
              Engine(SGLANG, "DFLASH", extra_tokens=1, flags="--speculative-domino-candidate-pool-size 0")),

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from dflash_train.model.drafter.backbone import DFlashDrafter, anchor_ids, as_blocks, draw, slot_logits
 from dflash_train.model.drafter.shape import DrafterShape
-from dflash_train.model.drafter.head import SGLANG, VLLM, Engine, Export, Foreign, Head, must_be_positive
+from dflash_train.model.drafter.head import SGLANG, VLLM, Engine, Export, Foreign, Head, ReducedVocab, must_be_positive
 
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
 
@@ -211,6 +211,19 @@ FOREIGN = Foreign(
 )
 
 
+# A reduced draft vocabulary: vLLM's Qwen3DSparkForCausalLM serves it (lm_head [n, H], d2t, and the Markov bias in
+# draft space: markov_w2 [draft_vocab_size, r] while markov_w1 stays [vocab_size, r], embedding the previous target
+# token; vllm/model_executor/models/qwen3_dspark.py DSparkMarkovHead / load_weights). SGLang builds markov_w2 with
+# vocab_size rows and loads the checkpoint's through default_weight_loader, which asserts equal shapes
+# (python/sglang/srt/models/dspark.py build_markov_head / DSparkDraftMixin.load_weights): a reduced export would
+# stop SGLang from loading it, so ours keep the whole vocabulary. A reduced checkpoint from elsewhere is read for
+# the eval (as vLLM serves it) with its markov_w2 rows put back at the draft ids.
+REDUCED_VOCAB = ReducedVocab(
+    served_by=(VLLM,), draft_rows=("markov_head.markov_w2.weight",),
+    not_exported="SGLang builds markov_w2 with vocab_size rows and its loader refuses a reduced one "
+                 "(python/sglang/srt/models/dspark.py build_markov_head, DSparkDraftMixin.load_weights)")
+
+
 def _refusals(cfg) -> dict[str, str]:
     if cfg.markov_head_type == "vanilla":
         return {}
@@ -231,7 +244,7 @@ HEAD = Head(
                   keys=(("markov_rank", "markov_rank"), ("markov_head_type", "markov_head_type")),
                   constants=(("enable_confidence_head", True), ("confidence_head_with_markov", True),
                              ("sample_from_anchor", True)),
-                  top_level=True, also_read=(("DSparkDraftModel",),)),
+                  top_level=True, also_read=(("DSparkDraftModel",),), reduced_vocab=REDUCED_VOCAB),
     engines=(Engine(VLLM, "dspark"), Engine(SGLANG, "DSPARK", extra_tokens=1)), refusals=_refusals,
     problems=_problems, parameters=_parameters, outside_muon=("markov",), small=(("markov_rank", 16),),
     foreign=FOREIGN,

@@ -107,10 +107,14 @@ def test_speculators_export_shifts_layer_ids(tmp_path):
     assert {"embed_tokens.weight", "lm_head.weight", "fc.weight"} <= names
 
 
-def test_a_draft_vocabulary_travels_with_the_export_and_malformed_ones_are_named(tmp_path):
+def test_a_draft_vocab_json_still_loads_and_malformed_ones_are_named(tmp_path):
+    """The kept form (draft_vocab.json): older exports, checkpoints' drafter/, and an export without its target's
+    lm_head to copy the reduced form's rows from (said); read as before (the reduced form: test_draft_vocab.py)."""
     drafter = small_drafter()
     ids = torch.tensor([0, 3, 7, 49])
-    out = export_drafter(drafter, tmp_path / "d", draft_vocab=ids, log=lambda m: None)
+    said = []
+    out = export_drafter(drafter, tmp_path / "d", draft_vocab=ids, log=said.append)
+    assert any("WARNING: the 4-token draft vocabulary stays in draft_vocab.json" in line for line in said)
     assert torch.equal(load_draft_vocab(out, 50), ids)
     assert load_zlab(out).config == drafter.config  # JSON beside the weights: the loader reads *.safetensors
     assert load_draft_vocab(export_drafter(drafter, tmp_path / "plain", log=lambda m: None), 50) is None
