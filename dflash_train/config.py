@@ -248,6 +248,14 @@ class TrainConfig:
     """auto (flex on CUDA, sdpa on CPU) | flex | sdpa | dense."""
     compile: Literal["auto", "on", "off"] = "auto"
     """auto (on CUDA) | on | off."""
+    compile_prewarm: Literal["auto", "on", "off"] = "auto"
+    """When the step is compiled: compile it first in a separate process (train/prewarm/), started once the
+    config is checked, while this one loads the target and builds the data; it runs the step of a random drafter
+    of this run's config on dummy batches of the step's shapes, filling inductor's on-disk caches, and exits; the
+    first step then waits for it and loads its graphs instead of compiling them. Only an optimisation: a prewarm
+    that fails or outlasts its limit is said in one line and the step compiles as before; nothing of the training
+    changes (the first step runs the code it would have compiled). auto: on for compiled CUDA runs (on a CPU the data
+    phase already uses the cores: docs/PERF.md section 7); on; off."""
     precision: Literal["auto", "bf16", "fp8"] = "auto"
     """auto: fp8 where it was measured faster at equal quality (a GPU of compute capability >= 8.9 with
     torchao installed, a drafter at least `fp8.FP8_AUTO_MIN_WIDTH` wide), else bf16; the choice and why

@@ -304,3 +304,39 @@ def warm_up_and_check(step_fn: Callable[[], object], n_warmup: int, n_check: int
     after = CompileCounters.snapshot()
     return assert_compile_healthy(before, after, expect_compiled_flex=expect_compiled_flex,
                                   max_new_graphs=max_new_graphs)
+
+
+@dataclass(frozen=True)
+class GraphCacheCounts:
+    """Inductor's on-disk cache lookups so far in this process: the FX-graph cache (one lookup per compiled graph,
+    forward and backward apart) and the AOT-autograd cache (one per compiled function). A hit loads a graph that
+    another process (the compile prewarm, train.compile_prewarm) or an earlier run compiled; a miss compiles it
+    here. Counter names as in torch 2.13 (`counters["inductor"]["fxgraph_cache_hit"]`, ...); absent ones read 0."""
+
+    fx_hits: int = 0
+    fx_misses: int = 0
+    fx_bypasses: int = 0  # graphs inductor would not cache (then compiled each time)
+    aot_hits: int = 0
+    aot_misses: int = 0
+
+    @classmethod
+    def snapshot(cls) -> "GraphCacheCounts":
+        return cls(_counter("inductor", "fxgraph_cache_hit"), _counter("inductor", "fxgraph_cache_miss"),
+                   _counter("inductor", "fxgraph_cache_bypass"), _counter("aot_autograd", "autograd_cache_hit"),
+                   _counter("aot_autograd", "autograd_cache_miss"))
+
+    def __sub__(self, other: "GraphCacheCounts") -> "GraphCacheCounts":
+        return GraphCacheCounts(*(a - b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    @property
+    def graphs(self) -> int:
+        return self.fx_hits + self.fx_misses + self.fx_bypasses
+
+    def summary(self) -> str:
+        """'5 of 5 graphs from inductor's cache (0 compiled here), AOT autograd 2 hits / 0 misses'."""
+        bypassed = f", {self.fx_bypasses} not cacheable" if self.fx_bypasses else ""
+        return (f"{self.fx_hits} of {self.graphs} graphs from inductor's FX-graph cache ({self.fx_misses} compiled "
+                f"here{bypassed}), AOT autograd cache {self.aot_hits} hits / {self.aot_misses} misses")
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)

@@ -1,6 +1,7 @@
 """`train(cfg)`: the one training loop. Read it top to bottom.
 
-setup (topology, target, data, batching, resume point) -> target ranks serve taps and return;
+setup (topology, target, data, batching, resume point; beside it, a compiled run's compile prewarm process,
+train/prewarm/) -> target ranks serve taps and return;
 drafter ranks: build the drafter, optimizer and taps source, restore them, then while step < end:
 taps -> step -> log / held-out simulated tau / checkpoint. Then the final checkpoint, the z-lab
 export and, with the target in-process, real speculative decoding on held-out prompts. Every
@@ -25,24 +26,23 @@ from dflash_train.diagnostics.watchdog import Watchdog
 from dflash_train.eval.evaluate import eval_draft_vocab, evaluate_as_served, subset_note
 from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
 from dflash_train.eval.report import lossless_note
-from dflash_train.fp8 import resolve_precision
 from dflash_train.model.drafter.config import DrafterConfig
 from dflash_train.model.drafter.export.hf_format import load_zlab
 from dflash_train.model.target.load import load_target
 from dflash_train.train.feed import balance
 from dflash_train.train import setup
 from dflash_train.train.feed.balance import ComputeTimer
-from dflash_train.train.feed.batching import BatchPlan, MicroBatch
+from dflash_train.train.feed.batching import MicroBatch
 from dflash_train.train.state.checkpoint import (Checkpointer, DrafterState, ResumePoint, RNGState, TrainProgress,
                                                  export_checkpoint, provenance)
 from dflash_train.train.watch.health import BadStepGuard, CompileHealthWatch, FaultPlan, NonFiniteSteps
-from dflash_train.train.loss.objective import LossMix, LossStats, summarize
+from dflash_train.train.loss.objective import LossStats, summarize
 from dflash_train.train.watch.metrics import MetricsLog, TokenInterval, fmt_values
-from dflash_train.train.optim.optimizer import TimeBudget, build_optimizer, param_dtype
-from dflash_train.train.parallel.parallelize import (parallelize, resolve_backend, resolve_compile,
-                                                     use_shared_compile_cache)
+from dflash_train.train.optim.optimizer import TimeBudget
+from dflash_train.train.parallel.parallelize import use_shared_compile_cache
+from dflash_train.train.prewarm.launch import FirstStep, Prewarm, start_prewarm
 from dflash_train.train.state.provenance import Provenance, check_ranks_agree, fingerprints, layout_of
-from dflash_train.train.feed.sources import CollateArgs, Feed, TapsSource, TargetServer, build_source
+from dflash_train.train.feed.sources import Feed, TapsSource, TargetServer, build_source
 from dflash_train.train.watch.simulate import simulated_tau, simulator
 from dflash_train.train.step import StepContext, reduce_stats, train_step
 from dflash_train.train.watch.stop import BUDGET_SPENT, PeerWatch, StopFlag, StopVote
@@ -51,7 +51,6 @@ from dflash_train.train.parallel.topology import (Topology, control_group, init_
                                                   pick_device, topology_from_env)
 from dflash_train.validate import validate_run
 
-PAD_MULTIPLE = 64  # uncompiled runs pad lengths to this multiple; compiled runs pad to max_len (static)
 SETUP_WATCHDOG_S = 1800.0  # loading, data preparation and the first (compiling) step beat rarely
 
 
@@ -72,6 +71,7 @@ class Process:
     vote: StopVote
     watch: PeerWatch
     faults: FaultPlan
+    prewarm: Prewarm | None  # this rank's compile prewarm, running beside setup (train/prewarm/launch.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,6 +89,10 @@ class Setup:
     resume: ResumePoint | None  # the verified checkpoint to continue, when resuming
     provenance: Provenance  # what this run trains with; checked against the resume point's
     precision: tuple[str, str]  # the drafter's matmuls, bf16 | fp8, and why (fp8.resolve_precision)
+
+    @property
+    def kernels(self) -> setup.Kernels:
+        return setup.Kernels(self.backend, self.compiled, self.precision)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,12 +122,13 @@ def train(cfg: RunConfig) -> dict:
     out_dir = Path(cfg.train.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     use_shared_compile_cache(out_dir.parent / ".compile-cache")
+    prewarm = start_prewarm(cfg, topo, device, out_dir, faults, log)  # before the target and data: it overlaps them
     watchdog = Watchdog(max(cfg.train.watchdog_seconds, SETUP_WATCHDOG_S), name=f"rank{topo.rank}")
     watchdog.start()
     watch = PeerWatch(topo, stop, log).start(ctl_group)
     watchdog.explain = watch.stopped_note  # a stall caused by a stopped peer names it
     p = Process(cfg, topo, device, dp_group, ctl_group, target_mesh, out_dir, log, watchdog, stop,
-                StopVote.for_topology(topo, ctl_group, cfg.topology.max_in_flight), watch, faults)
+                StopVote.for_topology(topo, ctl_group, cfg.topology.max_in_flight), watch, faults, prewarm)
     try:
         p, s = _prepare(p)
         return _serve(p, s) if topo.is_target else _train_drafter(p, s)
@@ -133,6 +138,8 @@ def train(cfg: RunConfig) -> dict:
             raise
         raise explained from e
     finally:
+        if prewarm is not None:
+            prewarm.stop("the run ended before its first step")  # it would only hold the device and the cores
         watch.stop()
         watchdog.stop()
 
@@ -160,15 +167,12 @@ def _prepare(p: Process) -> tuple[Process, Setup]:
     with p.watchdog.stage("prepare data"):
         data = setup.load_data(cfg, topo, target, list(dcfg.target_layer_ids), spec, p.out_dir / "data", p.log,
                                p.watchdog.beat, p.ctl_group)
-    backend = resolve_backend(cfg.train.attention, p.device)
-    compiled = resolve_compile(cfg.train.compile, p.device)
-    precision = resolve_precision(cfg.train.precision, p.device, dcfg.hidden_size, compiled)
-    if compiled and data.stored is None and topo.runs_target_forward:
+    kernels = setup.resolve_kernels(cfg, p.device, dcfg)
+    if kernels.compiled and data.stored is None and topo.runs_target_forward:
         target.compile_layers()  # the target computes taps every step: fuse its elementwise work
-    pad_multiple = cfg.data.max_len if compiled else PAD_MULTIPLE
-    held_out = setup.eval_batches(data.held_out, cfg.eval.sim_anchors_per_seq, pad_multiple, cfg.data.max_len)
-    feed = Feed(data.train, BatchPlan(cfg.train.seqs_per_step, cfg.train.micro_batch, topo.num_drafters),
-                CollateArgs(cfg.train.seed, cfg.train.num_anchors, pad_multiple, cfg.data.max_len), held_out, spec,
+    held_out = setup.eval_batches(data.held_out, cfg.eval.sim_anchors_per_seq, kernels.pad_multiple(cfg.data.max_len),
+                                  cfg.data.max_len)
+    feed = Feed(data.train, setup.batch_plan(cfg, topo.num_drafters), setup.collate_args(cfg, kernels), held_out, spec,
                 cfg.train.seed)
     total_steps = setup.total_steps_of(cfg, feed.sampler().steps_per_epoch)
     checkpointer = Checkpointer(p.out_dir, cfg.train.keep_last)
@@ -178,7 +182,8 @@ def _prepare(p: Process) -> tuple[Process, Setup]:
     check_ranks_agree(prov.current, topo, p.ctl_group)
     if resume is not None:  # before any state is loaded, on every rank: a mismatch stops them all
         prov.load_state_dict(resume.trainer.get("provenance", {}))
-    return p, Setup(target, dcfg, data, feed, total_steps, backend, compiled, checkpointer, resume, prov, precision)
+    return p, Setup(target, dcfg, data, feed, total_steps, kernels.backend, kernels.compiled, checkpointer, resume,
+                    prov, kernels.precision)
 
 
 def _balance_due(p: Process, s: Setup, step: int) -> bool:
@@ -217,45 +222,17 @@ def _serve(p: Process, s: Setup) -> dict:
 
 
 def _step_context(p: Process, s: Setup, drafter: torch.nn.Module) -> StepContext:
-    lm_head = s.target.lm_head_weight.detach()
     vocab = setup.train_vocab_of(p.cfg, s.data.train, s.target.vocab_size, p.log)
-    vocab = vocab.to(p.device) if vocab is not None else None
-    loss_head = vocab.restrict(lm_head) if vocab is not None else lm_head
-    return StepContext(embed_weight=s.target.embed_weight.detach(), lm_head_weight=lm_head, drafter=s.dcfg,
-                       gamma=setup.gamma_of(p.cfg), chunk_tokens=p.cfg.loss.chunk_tokens, backend=s.backend,
-                       device=p.device, autocast_dtype=torch.bfloat16 if p.device.type == "cuda" else None,
-                       dp_group=p.dp_group, num_drafters=p.topo.num_drafters, compile_loss=s.compiled,
-                       train_vocab=vocab, train_lm_head=loss_head if vocab is not None else None,
-                       loss=LossMix.from_config(p.cfg.loss), loss_head_fp8=_loss_head_fp8(p, s, loss_head),
-                       head=drafter, weighting=p.cfg.loss.weighting, dpace_alpha=p.cfg.loss.dpace_alpha,
-                       head_weight=p.cfg.loss.head_weight)
-
-
-def _loss_head_fp8(p: Process, s: Setup, loss_head: torch.Tensor):
-    """The loss's lm_head in float8 (train.fp8_lm_head), cast once: the weight is frozen."""
-    asked = p.cfg.train.fp8_lm_head
-    if s.precision[0] != "fp8" or asked is False:
-        if asked:
-            p.log(f"fp8: train.fp8_lm_head=true unused: the drafter trains in {s.precision[0]} ({s.precision[1]})")
-        return None
-    from dflash_train.fp8 import FP8_ALIGN, float8_head, fp8_aligned
-
-    if asked is None and not fp8_aligned(*loss_head.shape):
-        p.log(f"fp8: lm_head {tuple(loss_head.shape)} stays bf16 in the loss (not a multiple of {FP8_ALIGN})")
-        return None
-
-    p.log(f"fp8: lm_head {tuple(loss_head.shape)} in float8 in the loss (e4m3 weight, cast once; dynamic scales)")
-    return float8_head(loss_head)
+    return setup.step_context(p.cfg, s.target, s.dcfg, drafter, vocab, s.kernels, p.device, p.dp_group,
+                              p.topo.num_drafters, p.log)
 
 
 def _build_training(p: Process, s: Setup) -> Training:
     """Drafter, optimizer, schedule and taps source, restored from the resume point if any."""
     cfg = p.cfg
-    drafter = setup.init_drafter(s.dcfg, s.target, cfg.train.seed, cfg.drafter.init_from_target, p.device,
-                                 cfg.drafter.init_norm_scale)
     budget = TimeBudget(cfg.train.max_minutes, s.total_steps)
-    optimizer, scheduler = build_optimizer(drafter.named_parameters(), cfg.optim, s.total_steps, budget=budget,
-                                           log=p.log if p.topo.is_main else None)
+    drafter, optimizer, scheduler = setup.drafter_and_optimizer(cfg, s.dcfg, s.target, p.device, s.total_steps, budget,
+                                                                log=p.log if p.topo.is_main else None)
     source = build_source(s.feed, p.topo, s.target, list(s.dcfg.target_layer_ids), p.device, s.total_steps,
                           s.data.stored, stop_step=lambda: p.vote.stop_step)
     held_out = source.held_out()
@@ -268,10 +245,7 @@ def _build_training(p: Process, s: Setup) -> Training:
     if s.resume is not None:
         Checkpointer.restore(s.resume, states, weights)
         p.log(f"resumed from {s.resume.path} at step {progress.step}")
-    model = parallelize(drafter, device=p.device, compile_model=s.compiled, dp_group=p.dp_group,
-                        num_drafters=p.topo.num_drafters, param_dtype=param_dtype(optimizer),
-                        precision=s.precision[0], fp8_recipe=cfg.train.fp8_recipe,
-                        fp8_filter=cfg.train.fp8_filter, log=p.log)
+    model = setup.step_model(drafter, optimizer, cfg, s.kernels, p.device, p.dp_group, p.topo.num_drafters, p.log)
     return Training(drafter, model, ctx, source, held_out, progress, budget, weights, states)
 
 
@@ -315,10 +289,13 @@ def _loop(p: Process, s: Setup, t: Training):
     timer, interval, last_sim = ComputeTimer(p.device), TokenInterval(), None
     meta = {"config": cfg.to_dict(), "provenance": provenance(topo.world_size), "fingerprints": s.provenance.current}
     budget.start(progress.step, progress.seconds)  # a resumed run continues its time budget
+    first_step = FirstStep(s.compiled, p.prewarm, metrics.above_bar(p.log))
+    first_step.wait_for_prewarm(p.watchdog.beat)  # inside the budget: the compile time it replaces counted there too
     p.stop.deferring = True
     while progress.step < _end(s, budget) and not p.vote.stops_after(progress.step):
         p.vote.before_step(progress.step + 1)
         epoch, mbs, stats, grad_norm = _one_step(p, s, t, timer)
+        first_step.report()  # once: its time and how many of its graphs inductor's caches held
         step = progress.step
         _decide_budget(p, t, metrics, step)
         p.vote.after_step(step, p.stop.code or (BUDGET_SPENT if budget.spent() else 0))

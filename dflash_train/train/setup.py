@@ -26,11 +26,18 @@ from dflash_train.model.drafter.heads.architectures import build_drafter, head_s
 from dflash_train.model.drafter.backbone import DFlashDrafter
 from dflash_train.model.target.target import norm_factor, resolve_mask_token_id
 from dflash_train.model.target.subset import TargetSubset
-from dflash_train.train.feed.batching import MicroBatch, Sample, padded_length
+from dflash_train.train.feed.batching import BatchPlan, MicroBatch, Sample, padded_length
+from dflash_train.train.feed.sources import CollateArgs
 from dflash_train.train.feed.taps import FINAL_HIDDEN, StoredRows, TapsSpec
+from dflash_train.train.parallel.parallelize import parallelize, resolve_backend, resolve_compile
 from dflash_train.train.parallel.topology import Topology
-from dflash_train.fp8 import FP8_ALIGN
+from dflash_train.fp8 import FP8_ALIGN, resolve_precision
+from dflash_train.train.loss.objective import LossMix
 from dflash_train.train.loss.vocab import vocab_subset
+from dflash_train.train.optim.optimizer import build_optimizer, param_dtype
+from dflash_train.train.step import StepContext
+
+PAD_MULTIPLE = 64  # uncompiled runs pad lengths to this multiple; compiled runs pad to max_len (static)
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,90 @@ def init_drafter(dcfg: DrafterConfig, target, seed: int, from_target: bool, devi
     with torch.no_grad():
         drafter.norm.weight.mul_(norm_scale)
     return drafter
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """How this process runs the drafter's step, decided once from the config, the device and the drafter's width."""
+
+    backend: str  # attention: flex | sdpa | dense
+    compiled: bool
+    precision: tuple[str, str]  # the drafter's matmuls, bf16 | fp8, and why (fp8.resolve_precision)
+
+    def pad_multiple(self, max_len: int) -> int:
+        """A compiled step pads every micro-batch to data.max_len whatever its samples' lengths (one static
+        shape, so one graph: what the compile prewarm relies on); an eager one to a multiple of PAD_MULTIPLE."""
+        return max_len if self.compiled else PAD_MULTIPLE
+
+
+def resolve_kernels(cfg: RunConfig, device, dcfg: DrafterConfig) -> Kernels:
+    compiled = resolve_compile(cfg.train.compile, device)
+    return Kernels(resolve_backend(cfg.train.attention, device), compiled,
+                   resolve_precision(cfg.train.precision, device, dcfg.hidden_size, compiled))
+
+
+def batch_plan(cfg: RunConfig, num_drafters: int) -> BatchPlan:
+    return BatchPlan(cfg.train.seqs_per_step, cfg.train.micro_batch, num_drafters)
+
+
+def collate_args(cfg: RunConfig, kernels: Kernels) -> CollateArgs:
+    """How samples become a micro-batch: right-padded to `Kernels.pad_multiple`, never beyond data.max_len."""
+    return CollateArgs(cfg.train.seed, cfg.train.num_anchors, kernels.pad_multiple(cfg.data.max_len), cfg.data.max_len)
+
+
+# The step's parts, built by the loop and by the compile prewarm (train/prewarm/worker.py) through the same
+# functions, so that the prewarm compiles the very graphs the first step will look up.
+
+def drafter_and_optimizer(cfg: RunConfig, dcfg: DrafterConfig, target, device, total_steps: int, budget=None,
+                          log=None, from_target: bool | None = None):
+    """(drafter, optimizer, scheduler): the seeded drafter (`init_drafter`; `from_target` defaults to
+    drafter.init_from_target) and its optimizer and schedule (`build_optimizer`; `log` says Muon's split)."""
+    from_target = cfg.drafter.init_from_target if from_target is None else from_target
+    drafter = init_drafter(dcfg, target, cfg.train.seed, from_target, device, cfg.drafter.init_norm_scale)
+    optimizer, scheduler = build_optimizer(drafter.named_parameters(), cfg.optim, total_steps, budget=budget, log=log)
+    return drafter, optimizer, scheduler
+
+
+def step_model(drafter, optimizer, cfg: RunConfig, kernels: Kernels, device, dp_group, num_drafters: int, log):
+    """What the step calls: the drafter in the optimizer's parameter dtype, DDP-wrapped and compiled as configured."""
+    return parallelize(drafter, device=device, compile_model=kernels.compiled, dp_group=dp_group,
+                       num_drafters=num_drafters, param_dtype=param_dtype(optimizer), precision=kernels.precision[0],
+                       fp8_recipe=cfg.train.fp8_recipe, fp8_filter=cfg.train.fp8_filter, log=log)
+
+
+def step_context(cfg: RunConfig, target, dcfg: DrafterConfig, drafter, vocab, kernels: Kernels, device, dp_group,
+                 num_drafters: int, log) -> StepContext:
+    """The step's frozen inputs: the target's embedding and lm_head (restricted to `vocab`, `train_vocab_of`, when
+    given), the loss and its kernels."""
+    lm_head = target.lm_head_weight.detach()
+    vocab = vocab.to(device) if vocab is not None else None
+    loss_head = vocab.restrict(lm_head) if vocab is not None else lm_head
+    return StepContext(embed_weight=target.embed_weight.detach(), lm_head_weight=lm_head, drafter=dcfg,
+                       gamma=gamma_of(cfg), chunk_tokens=cfg.loss.chunk_tokens, backend=kernels.backend,
+                       device=device, autocast_dtype=torch.bfloat16 if device.type == "cuda" else None,
+                       dp_group=dp_group, num_drafters=num_drafters, compile_loss=kernels.compiled,
+                       train_vocab=vocab, train_lm_head=loss_head if vocab is not None else None,
+                       loss=LossMix.from_config(cfg.loss), loss_head_fp8=loss_head_fp8(cfg, kernels, loss_head, log),
+                       head=drafter, weighting=cfg.loss.weighting, dpace_alpha=cfg.loss.dpace_alpha,
+                       head_weight=cfg.loss.head_weight)
+
+
+def loss_head_fp8(cfg: RunConfig, kernels: Kernels, loss_head: torch.Tensor, log):
+    """The loss's lm_head in float8 (train.fp8_lm_head), cast once: the weight is frozen."""
+    asked = cfg.train.fp8_lm_head
+    if kernels.precision[0] != "fp8" or asked is False:
+        if asked:
+            log(f"fp8: train.fp8_lm_head=true unused: the drafter trains in {kernels.precision[0]} "
+                f"({kernels.precision[1]})")
+        return None
+    from dflash_train.fp8 import float8_head, fp8_aligned
+
+    if asked is None and not fp8_aligned(*loss_head.shape):
+        log(f"fp8: lm_head {tuple(loss_head.shape)} stays bf16 in the loss (not a multiple of {FP8_ALIGN})")
+        return None
+
+    log(f"fp8: lm_head {tuple(loss_head.shape)} in float8 in the loss (e4m3 weight, cast once; dynamic scales)")
+    return float8_head(loss_head)
 
 
 def _copy_from_target(drafter: DFlashDrafter, target) -> None:

@@ -116,7 +116,7 @@ def build_optimizer(params, cfg: OptimConfig, total_steps: int, budget: TimeBudg
     named = [item if isinstance(item, tuple) else (None, item) for item in params]
     named = [(name, p) for name, p in named if p.requires_grad]
     cuda = named[0][1].device.type == "cuda"
-    master = master_weights if master_weights is not None else cuda and cfg.master_weights
+    master = master_weights if master_weights is not None else keeps_float32_masters(cfg, named[0][1].device)
     if cfg.name == "muon":
         if any(name is None for name, _ in named):
             raise ValueError("optim.name=muon splits the parameters by name: pass module.named_parameters()")
@@ -135,6 +135,12 @@ def build_optimizer(params, cfg: OptimConfig, total_steps: int, budget: TimeBudg
         optimizer, lambda step: lr_factor(step, total_steps, cfg.warmup_ratio, cfg.min_lr_ratio,
                                           budget.steps if budget else None))
     return optimizer, scheduler
+
+
+def keeps_float32_masters(cfg: OptimConfig, device: torch.device) -> bool:
+    """Whether the optimizer keeps float32 masters of bf16 parameters on `device` (`build_optimizer`'s default):
+    then the module trains in bf16 and is never DDP-wrapped (`parallel.parallelize`)."""
+    return torch.device(device).type == "cuda" and cfg.master_weights
 
 
 def _adamw(params: list, cfg: OptimConfig, cuda: bool, master: bool):

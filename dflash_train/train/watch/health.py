@@ -15,7 +15,7 @@ import torch
 from dflash_train.diagnostics import compile_health as ch
 
 FAULT_ENV = "DFLASH_INJECT_FAULT"  # "KIND:rank=R:step=S[:count=N]", for testing failure handling
-FAULT_KINDS = ("raise", "hang", "nan", "skip")
+FAULT_KINDS = ("raise", "hang", "nan", "skip", "prewarm")
 
 
 @dataclass(frozen=True)
@@ -26,6 +26,8 @@ class FaultPlan:
       nan    rank R's first micro-batch of the step gets a NaN in its taps: a drafter rank's as
              it trains on it, a target rank's before it sends them (the guard, both ways)
       skip   every drafter rank leaves the step's update out on the host (the guard's reference)
+      prewarm  rank R's compile prewarm gets taps one column too wide: it fails in its first forward and
+             the run goes on without it (train/prewarm; the step S is not read)
     `FaultPlan.from_env()` without the variable injects nothing."""
 
     kind: str = ""
@@ -67,6 +69,10 @@ class FaultPlan:
         """nan on a drafter rank: one NaN in the taps of its first micro-batch of `step`."""
         if self.poisons(rank, step) and mbs:
             mbs[0].from_target["taps"].view(-1)[0] = float("nan")
+
+    def prewarm_fault(self, rank: int) -> bool:
+        """prewarm: whether `rank`'s compile prewarm is given a bad shape."""
+        return self.kind == "prewarm" and rank == self.rank
 
     def skips(self, step: int) -> bool:
         """skip: the update of `step` is left out, on every drafter rank."""
