@@ -201,8 +201,6 @@ def beside_note(figures: dict) -> str | None:
             f"plain steps), {beside['identical_outputs']}/{beside['num_prompts']} identical")
 
 
-subset_note = beside_note  # the name train/loop.py imports
-
 
 def _decode_both(drafter, target, ids: torch.Tensor, opts: dict, seed: int) -> tuple[SpecResult, GenResult]:
     """Speculative and plain decoding of one prompt, each from its own generator of the same seed."""
