@@ -83,16 +83,10 @@ class Setup:
     data: setup.Data
     feed: Feed
     total_steps: int
-    backend: str
-    compiled: bool
+    kernels: setup.Kernels  # attention backend, compiled or not, the drafter's matmul precision
     checkpointer: Checkpointer
     resume: ResumePoint | None  # the verified checkpoint to continue, when resuming
     provenance: Provenance  # what this run trains with; checked against the resume point's
-    precision: tuple[str, str]  # the drafter's matmuls, bf16 | fp8, and why (fp8.resolve_precision)
-
-    @property
-    def kernels(self) -> setup.Kernels:
-        return setup.Kernels(self.backend, self.compiled, self.precision)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,8 +176,7 @@ def _prepare(p: Process) -> tuple[Process, Setup]:
     check_ranks_agree(prov.current, topo, p.ctl_group)
     if resume is not None:  # before any state is loaded, on every rank: a mismatch stops them all
         prov.load_state_dict(resume.trainer.get("provenance", {}))
-    return p, Setup(target, dcfg, data, feed, total_steps, kernels.backend, kernels.compiled, checkpointer, resume,
-                    prov, kernels.precision)
+    return p, Setup(target, dcfg, data, feed, total_steps, kernels, checkpointer, resume, prov)
 
 
 def _balance_due(p: Process, s: Setup, step: int) -> bool:
@@ -199,7 +192,7 @@ def _serve(p: Process, s: Setup) -> dict:
     if s.resume is not None:
         Checkpointer.restore(s.resume, {"data": server.sampler})  # the data cursor: where to go on
     step = server.sampler.steps_done
-    health = CompileHealthWatch(s.compiled, False, step, p.log)
+    health = CompileHealthWatch(s.kernels.compiled, False, step, p.log)
     server.send_held_out()
     p.stop.deferring = True
     while step < s.total_steps and not p.vote.stops_after(step):
@@ -257,8 +250,8 @@ def _train_drafter(p: Process, s: Setup) -> dict:
     if topo.is_main:
         coverage = anchor_coverage([sample.loss_mask for sample in s.data.train], cfg.train.num_anchors)
         log(setup.describe(cfg, s.dcfg, topo, len(s.data.train), len(s.data.held_out), s.total_steps,
-                           s.feed.plan.accum, s.backend, s.compiled, s.feed.spec.bytes_per_token, s.precision,
-                           coverage))
+                           s.feed.plan.accum, s.kernels.backend, s.kernels.compiled, s.feed.spec.bytes_per_token,
+                           s.kernels.precision, coverage))
     last_sim = _loop(p, s, t)
     p.vote.finish()  # the last checkpoint is written: every rank may leave
     p.watch.stop()  # (and the main one exports and evaluates alone)
@@ -285,11 +278,12 @@ def _loop(p: Process, s: Setup, t: Training):
     last held-out figures."""
     cfg, topo, progress, budget = p.cfg, p.topo, t.progress, t.budget
     metrics = MetricsLog(p.out_dir, _end(s, budget), progress.step, topo.is_main, cfg.train.tensorboard)
-    health = CompileHealthWatch(s.compiled, s.backend == "flex", progress.step, metrics.above_bar(p.log))
+    compiled = s.kernels.compiled
+    health = CompileHealthWatch(compiled, s.kernels.backend == "flex", progress.step, metrics.above_bar(p.log))
     timer, interval, last_sim = ComputeTimer(p.device), TokenInterval(), None
     meta = {"config": cfg.to_dict(), "provenance": provenance(topo.world_size), "fingerprints": s.provenance.current}
     budget.start(progress.step, progress.seconds)  # a resumed run continues its time budget
-    first_step = FirstStep(s.compiled, p.prewarm, metrics.above_bar(p.log))
+    first_step = FirstStep(compiled, p.prewarm, metrics.above_bar(p.log))
     first_step.wait_for_prewarm(p.watchdog.beat)  # inside the budget: the compile time it replaces counted there too
     p.stop.deferring = True
     while progress.step < _end(s, budget) and not p.vote.stops_after(progress.step):
