@@ -26,7 +26,8 @@ def run(cfg) -> str:
     import torch  # see commands/__init__.py
 
     from dflash_train.model.drafter.export.export import export_drafter
-    from dflash_train.model.drafter.export.hf_format import load_draft_vocab, load_zlab, save_speculators
+    from dflash_train.model.drafter.export.draft_vocab import load_draft_vocab
+    from dflash_train.model.drafter.export.hf_format import load_zlab, save_speculators
 
     x = cfg.export
     drafter = load_zlab(x.drafter)

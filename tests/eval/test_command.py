@@ -12,7 +12,8 @@ from dflash_train.eval.report import HISTOGRAM_PNG, PER_POSITION_PNG
 from dflash_train.model.drafter.config import drafter_config_from_target
 from dflash_train.model.drafter.backbone import DFlashDrafter
 from dflash_train.model.drafter.export.export import export_drafter
-from dflash_train.model.drafter.export.hf_format import DRAFT_VOCAB, draft_vocab_file, save_zlab
+from dflash_train.model.drafter.export.draft_vocab import DRAFT_VOCAB, draft_vocab_file
+from dflash_train.model.drafter.export.hf_format import save_zlab
 from dflash_train.model.target.target import resolve_mask_token_id
 
 PROMPTS = [

@@ -47,8 +47,9 @@ from safetensors import SafetensorError
 from torch.distributed.checkpoint.stateful import Stateful
 
 from dflash_train import atomic
-from dflash_train.model.drafter.export.hf_format import (NonFiniteWeights, is_export, load_draft_vocab, load_zlab,
-                                                         non_finite_weights, save_zlab)
+from dflash_train.model.drafter.export.draft_vocab import load_draft_vocab
+from dflash_train.model.drafter.export.hf_format import (NonFiniteWeights, is_export, load_zlab, non_finite_weights,
+                                                         save_zlab)
 from dflash_train.model.drafter.export.export import export_drafter
 from dflash_train.train.optim.optimizer import full_precision_weights
 

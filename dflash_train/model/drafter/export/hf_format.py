@@ -28,9 +28,8 @@ from dflash_train.model.drafter.heads.architectures import HEADS, PLAIN, build_d
 from dflash_train.model.drafter.attention import FULL, SLIDING
 from dflash_train.model.drafter.config import DrafterConfig
 from dflash_train.model.drafter.backbone import DFlashDrafter
-from dflash_train.model.drafter.export.draft_vocab import (DRAFT_VOCAB, SIZE_KEY, T2D, as_whole_vocabulary,  # noqa: F401
-                                                           draft_vocab_file, load_draft_vocab, served_config,
-                                                           served_tensors)
+from dflash_train.model.drafter.export.draft_vocab import (DRAFT_VOCAB, SIZE_KEY, T2D, as_whole_vocabulary,
+                                                           draft_vocab_file, served_config, served_tensors)
 from dflash_train.model.target.scaling import FIELDS, Scaling
 from dflash_train.model.target.taps import build_target_layer_ids
 

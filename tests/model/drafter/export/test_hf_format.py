@@ -7,8 +7,8 @@ from transformers import Qwen3Config
 
 from dflash_train.model.drafter.config import drafter_config_from_target
 from dflash_train.model.drafter.backbone import DFlashDrafter
-from dflash_train.model.drafter.export.hf_format import (DRAFT_VOCAB, draft_vocab_file, load_draft_vocab, load_zlab,
-                                                         save_speculators, save_zlab, zlab_config_dict)
+from dflash_train.model.drafter.export.draft_vocab import DRAFT_VOCAB, draft_vocab_file, load_draft_vocab
+from dflash_train.model.drafter.export.hf_format import load_zlab, save_speculators, save_zlab, zlab_config_dict
 from dflash_train.model.drafter.export.export import export_drafter
 
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
