@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import multiprocessing as mp
 import os
+import re
 import signal
 import time
 from pathlib import Path
