@@ -28,9 +28,10 @@ Conventions:
 - tau (acceptance length, the paper's definition) = tokens produced per verification forward =
   mean over steps of (acc + 1). The first token comes from the prefill and is no step.
 - CPU cost (bench/spec_decode_cpu.py, docs/PERF.md): a step's forwards run a few rows (verify B,
-  drafter B, drafter lm_head B-1), and on the CPU every linear of 2..4 rows runs as
-  `weight @ x.T` (`few_row_linear`), which MKL does in ~2/3 of the time of `x @ weight.T`; the
-  plain loop's 1-row forward gains nothing from it and runs as is. A draft vocabulary (`DraftHead`)
+  drafter B, drafter lm_head B-1), and on a CPU where it makes the target's own few-token forward
+  faster (`few_rows_pay_model`, measured once per model) every linear of 2..4 rows runs as
+  `weight @ x.T` (`few_row_linear`), which MKL did in ~2/3 of the time of `x @ weight.T` on an AVX-only
+  EPYC and slower on an AVX-512 Xeon; the plain loop's 1-row forward gains nothing from it and runs as is. A draft vocabulary (`DraftHead`)
   cuts the drafter's lm_head to the rows of its training softmax (4,096 of 49,152 in the default).
 """
 
@@ -39,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -135,12 +137,44 @@ def _few_rows_pay(shape: tuple, dtype: torch.dtype, rows: int, reps: int) -> boo
 
 
 def _few_row_mode(model, device: torch.device):
-    """`few_row_linear` on a CPU where it pays for the model's widest linear, else nothing."""
+    """`few_row_linear` on a CPU where it makes the model's own verify-shaped forward faster, else nothing."""
     if device.type != "cpu":
         return contextlib.nullcontext()
+    return few_row_linear() if few_rows_pay_model(model) else contextlib.nullcontext()
+
+
+_MODEL_VERDICTS: "weakref.WeakKeyDictionary[torch.nn.Module, bool]" = weakref.WeakKeyDictionary()
+
+
+def few_rows_pay_model(model, reps: int = 5) -> bool:
+    """Whether `few_row_linear` speeds up `model`'s forward of FEW_ROWS[1] tokens on this CPU, measured once per
+    model (both ways interleaved, the best of `reps` each) and remembered while it lives.
+
+    The widest linear alone (`few_rows_pay`) is not enough to decide: on a 2-core AVX-512 Xeon the routed
+    MLP matmul measured faster alone, yet the whole 4-token verify of SmolLM2 took 1.28-1.36 plain steps
+    routed against 1.15-1.20 as is (docs/LOG.md, session 23): the mode's Python hook on every torch call and
+    the transposed copies cost more than the matmuls save. Only the model's own forward says which wins."""
+    if model not in _MODEL_VERDICTS:
+        _MODEL_VERDICTS[model] = _time_forward_both_ways(model, reps)
+    return _MODEL_VERDICTS[model]
+
+
+@torch.no_grad()
+def _time_forward_both_ways(model, reps: int) -> bool:
     widest = max((m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)), key=lambda w: w.numel(),
                  default=None)
-    return few_row_linear() if widest is not None and few_rows_pay(widest) else contextlib.nullcontext()
+    if widest is None or not few_rows_pay(widest):  # the matmul itself loses: nothing to gain
+        return False
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None) or 2
+    ids = torch.randint(0, vocab, (1, FEW_ROWS[1]), generator=torch.Generator().manual_seed(0), device=widest.device)
+    routed, plain = [], []
+    for _ in range(reps + 1):  # the first round warms both paths up and is dropped
+        for mode, times in ((few_row_linear, routed), (contextlib.nullcontext, plain)):
+            t0 = time.perf_counter()
+            with mode():
+                model(input_ids=ids, use_cache=False)
+            times.append(time.perf_counter() - t0)
+    return min(routed[1:]) < 0.95 * min(plain[1:])
 
 
 class few_row_linear(TorchFunctionMode):

@@ -422,3 +422,21 @@ def test_a_dspark_drafter_s_full_blocks_are_reported(qwen3, prompts, monkeypatch
     report = ev._assemble({"s": ([spec], [plain])}, 2, drafter.drafted(2),
                           {"max_new_tokens": 12, "eos": set(), "temperature": 0.0}, None, 0, 1.0)
     assert max(spec.accepted) == 2 and report["overall"]["tau"] == report["sets"]["s"]["tau"] > 2
+
+
+def test_few_row_route_is_decided_on_the_models_own_forward_once(monkeypatch):
+    """`few_rows_pay_model` times the model's few-token forward both ways (the routed one really routed) and
+    keeps the faster, once per model; where the widest matmul alone already loses, it runs no forward."""
+    model = tiny_target(dtype=torch.float32)
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(isinstance(torch.overrides._get_current_function_mode(),
+                                                                   spec_decode.few_row_linear)))
+    monkeypatch.setattr(spec_decode, "few_rows_pay", lambda *a, **k: False)
+    assert spec_decode.few_rows_pay_model(model) is False and calls == []
+    spec_decode._MODEL_VERDICTS.clear()
+    monkeypatch.setattr(spec_decode, "few_rows_pay", lambda *a, **k: True)
+    verdict = spec_decode.few_rows_pay_model(model, reps=3)
+    assert calls == [True, False] * 4  # one warm-up round and 3 timed, each routed then as is
+    assert spec_decode.few_rows_pay_model(model, reps=3) is verdict and len(calls) == 8  # remembered
+    mode = spec_decode._few_row_mode(model, torch.device("cpu"))
+    assert isinstance(mode, spec_decode.few_row_linear) == verdict
