@@ -25,11 +25,13 @@ from dflash_train.model.drafter.export.hf_format import save_zlab
 LAYERS, HIDDEN, HEADS, KV_HEADS, FF = 4, 64, 4, 2, 128
 
 
-def write_tiny_gguf(out: Path, seed: int = 0) -> Path:
-    """A tiny random Llama as an F32 GGUF file, with the SmolLM2 GGUF's tokenizer (and chat template)."""
+def write_tiny_gguf(out: Path, seed: int = 0, tokenizer: bool = True) -> Path:
+    """A tiny random Llama as an F32 GGUF file, with the SmolLM2 GGUF's tokenizer (and chat template); without it
+    (`tokenizer=False`: weights only, a 256-row embedding), a read by transformers skips the 49,152 tokens' metadata
+    that takes most of its ~5 s here."""
     import gguf
 
-    source = gguf.GGUFReader("/".join(target_mod.resolve_target("smollm2")))
+    source = gguf.GGUFReader("/".join(target_mod.resolve_target("smollm2"))) if tokenizer else None
     w = gguf.GGUFWriter(str(out), "llama")
     w.add_block_count(LAYERS)
     w.add_context_length(4096)
@@ -41,15 +43,18 @@ def write_tiny_gguf(out: Path, seed: int = 0) -> Path:
     w.add_rope_dimension_count(HIDDEN // HEADS)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    for key, field in source.fields.items():
+    for key, field in source.fields.items() if source else ():
         if key.startswith("tokenizer."):
             w.add_key_value(key, field.contents(), field.types[0], sub_type=field.types[1] if len(field.types) > 1 else None)
+    if not tokenizer:
+        w.add_vocab_size(256)
     rng = np.random.default_rng(seed)
 
     def rand(*shape):  # [out, in], as the GGUF stores a linear layer's weight
         return (rng.standard_normal(shape) * 0.2).astype(np.float32)
 
-    vocab, kv_width = len(source.fields["tokenizer.ggml.tokens"].contents()), KV_HEADS * HIDDEN // HEADS
+    vocab = len(source.fields["tokenizer.ggml.tokens"].contents()) if tokenizer else 256
+    kv_width = KV_HEADS * HIDDEN // HEADS
     w.add_tensor("token_embd.weight", rand(vocab, HIDDEN))
     w.add_tensor("output_norm.weight", np.ones(HIDDEN, np.float32))
     for i in range(LAYERS):
