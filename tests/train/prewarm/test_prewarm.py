@@ -36,10 +36,13 @@ def _job(target: Path, out: Path, cache: Path, fault: str | None = None) -> subp
     Two settings make two compiled CPU runs comparable bit for bit, prewarm or not: one OpenMP thread (inductor's
     CPU kernels add atomically in parallel loops) and MKL's reproducible mode (its matmuls otherwise pick code paths
     by buffer alignment, which differs between processes). Measured on this 2-core box with the prewarm failing (so
-    each run compiled its own step): one thread alone, 2 of 4 identical runs ended 4e-9 apart; both, 4 of 4 equal."""
+    each run compiled its own step): one thread alone, 2 of 4 identical runs ended 4e-9 apart; both, 4 of 4 equal.
+    Inductor compiles its kernels in this process (TORCHINDUCTOR_COMPILE_THREADS=1): on a 2-core box a pool of
+    compile workers, each an interpreter of its own, costs more than it saves, and the graphs are the same."""
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_CBWR="AUTO,STRICT", PYTHONUNBUFFERED="1",
                TORCHINDUCTOR_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(cache / "triton"),
-               TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_AUTOGRAD_CACHE="1", DFLASH_INJECT_FAULT=fault or "")
+               TORCHINDUCTOR_FX_GRAPH_CACHE="1", TORCHINDUCTOR_AUTOGRAD_CACHE="1", TORCHINDUCTOR_COMPILE_THREADS="1",
+               DFLASH_INJECT_FAULT=fault or "")
     cmd = [sys.executable, "-m", "dflash_train", "train", "--recipe", "tiny", f"target.model={target}", *OVERRIDES,
            f"train.out_dir={out}"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
