@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -60,13 +61,30 @@ def results(stdout: str) -> dict[str, float]:
     return figures
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_bench_small(name, tmp_path):
-    cmd, positive = CASES[name]
-    out = tmp_path / f"{name}.json"
+@pytest.fixture(scope="module")
+def bench_runs(request, tmp_path_factory):
+    """The selected cases, started when the module starts and run as many at a time as the machine has cores: each
+    is a process of one OpenMP thread, so run one by one they left a 2-core box's other core idle (~75 s of benches
+    one at a time). Each test waits for its own case's process."""
+    names = [item.callspec.params["name"] for item in request.session.items
+             if getattr(item, "originalname", "") == "test_bench_small" and item.module is request.module]
+    out = tmp_path_factory.mktemp("bench")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd + ["--small", "--json", str(out)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+
+    def run(name: str) -> tuple[subprocess.CompletedProcess, Path]:
+        json_path = out / f"{name}.json"
+        proc = subprocess.run(CASES[name][0] + ["--small", "--json", str(json_path)], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=300)
+        return proc, json_path
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1))) as pool:
+        yield {name: pool.submit(run, name) for name in names}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bench_small(name, bench_runs):
+    _, positive = CASES[name]
+    proc, out = bench_runs[name].result()
     log = proc.stdout[-4000:] + proc.stderr[-4000:]
     assert proc.returncode == 0, log
     assert f"VERDICT {name.removesuffix('_moe').removesuffix('_dspark_muon')}: OK" in proc.stdout, log
