@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -39,10 +40,29 @@ def stage_lines(stdout: str) -> dict[str, re.Match]:
     return {m[2]: m for m in map(LINE.match, stdout.splitlines()) if m}
 
 
+HANG_LIMIT = 4  # the hanging stage's --stage-timeout (test_a_hanging_stage_...)
+
+
 @pytest.fixture(scope="module")
-def quick_run(tmp_path_factory):
+def doctor_runs(tmp_path_factory):
+    """The module's doctor runs, started together: the quick run (~30 s, one stage at a time) and the three injected
+    ones, which mostly wait (out a stage limit, or on a child's start) and so fit beside it on a 2-core box. Each
+    test takes its own run's result."""
     report = tmp_path_factory.mktemp("doctor") / "doctor.json"
-    proc = run_cli("--quick", "--devices", "cpu", "--json", str(report))
+    runs = {"quick": (("--quick", "--devices", "cpu", "--json", str(report)), None, 600),
+            "hang": (("--stages", "versions,devices,disk", "--stage-timeout", str(HANG_LIMIT)),
+                     "hang:versions,fail:devices", 300),
+            "fail": (("--stages", "disk"), "fail:disk", 120),
+            "crash": (("--stages", "disk"), "crash:disk", 120)}
+    with ThreadPoolExecutor(max_workers=len(runs)) as pool:
+        yield {name: pool.submit(run_cli, *args, inject=inject, timeout=timeout)
+               for name, (args, inject, timeout) in runs.items()}, report
+
+
+@pytest.fixture(scope="module")
+def quick_run(doctor_runs):
+    runs, report = doctor_runs
+    proc = runs["quick"].result()
     return proc, json.loads(report.read_text())
 
 
@@ -80,15 +100,14 @@ def test_json_report_matches_the_printed_lines(quick_run):
     assert report["exit_code"] == proc.returncode == 0
 
 
-def test_a_hanging_stage_is_reported_with_its_stack_and_later_stages_still_run():
+def test_a_hanging_stage_is_reported_with_its_stack_and_later_stages_still_run(doctor_runs):
     """The hung stage is stopped at its limit and its stack shown; the doctor goes on to the next
     stages and exits 1. Had the hung stage process been left running, it would hold the output pipe
     open and `run_cli` would fail on its timeout instead of returning. The limit holds each group (one
     stage here) from its child's start: the hung child reaches its hang in ~0.1 s, the disk stage ends in
     ~0.2 s, so 4 s leaves them a 20x slower machine and waits out little."""
-    limit = 4
-    proc = run_cli("--stages", "versions,devices,disk", "--stage-timeout", str(limit),
-                   inject="hang:versions,fail:devices", timeout=300)
+    limit = HANG_LIMIT
+    proc = doctor_runs[0]["hang"].result()
     stages = stage_lines(proc.stdout)
     assert stages["versions"][1] == "FAIL"
     assert f"no result within the {limit}s stage limit; stuck in _injected_hang" in stages["versions"][3]
@@ -102,15 +121,15 @@ def test_a_hanging_stage_is_reported_with_its_stack_and_later_stages_still_run()
     assert order == ["versions", "devices", "disk"]  # reported in plan order, the hung one first
 
 
-def test_an_injected_failure_fails_the_run_with_exit_code_1():
-    proc = run_cli("--stages", "disk", inject="fail:disk", timeout=120)
+def test_an_injected_failure_fails_the_run_with_exit_code_1(doctor_runs):
+    proc = doctor_runs[0]["fail"].result()  # run_cli("--stages", "disk", inject="fail:disk")
     assert stage_lines(proc.stdout)["disk"][1] == "FAIL"
     assert proc.stdout.strip().splitlines()[-1] == "dflash-train doctor: FAILED (1 FAIL: disk)"
     assert proc.returncode == 1
 
 
-def test_a_crashing_stage_is_a_fail_not_a_doctor_crash():
-    proc = run_cli("--stages", "disk", inject="crash:disk", timeout=120)
+def test_a_crashing_stage_is_a_fail_not_a_doctor_crash(doctor_runs):
+    proc = doctor_runs[0]["crash"].result()  # run_cli("--stages", "disk", inject="crash:disk")
     assert "stage process exited with code 7 without a result" in stage_lines(proc.stdout)["disk"][3]
     assert proc.returncode == 1
 
