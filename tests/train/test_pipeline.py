@@ -73,6 +73,25 @@ def tokens(out: Path) -> dict[int, int]:
             if "loss" in r}
 
 
+@pytest.fixture(scope="module", autouse=True)
+def stalled_job(request, tiny_target_dir, tmp_path_factory):
+    """test_watchdog_stops_a_stalled_job_with_stacks's job, started with the module (when that test is selected):
+    one process of one thread that mostly waits out its watchdog, beside the one-thread colocated reference run,
+    which leaves a 2-core box's other core idle."""
+    if not any(item.name == "test_watchdog_stops_a_stalled_job_with_stacks" for item in request.session.items):
+        yield None
+        return
+    out = tmp_path_factory.mktemp("stalled")
+    with open(out / "job.log", "w") as log:  # a file, not a pipe: nothing reads it until the test
+        proc = subprocess.Popen(train_cmd(1) + args(tiny_target_dir, out / "run", "train.watchdog_seconds=6"),
+                                env=env(DFLASH_INJECT_FAULT="hang:rank=0:step=2"), stdout=log,
+                                stderr=subprocess.STDOUT)
+    yield proc, out / "job.log"
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
 @pytest.fixture(scope="module")
 def colocated(tiny_target_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("colocated")
@@ -189,10 +208,11 @@ def test_a_failing_rank_stops_the_whole_job(tiny_target_dir, tmp_path):
     assert "dflash-train train: OK" not in output
 
 
-def test_watchdog_stops_a_stalled_job_with_stacks(tiny_target_dir, tmp_path):
-    proc = run(1, tiny_target_dir, tmp_path, "train.watchdog_seconds=6", DFLASH_INJECT_FAULT="hang:rank=0:step=2",
-               timeout=180)
-    output = proc.stdout + proc.stderr
+def test_watchdog_stops_a_stalled_job_with_stacks(stalled_job):
+    """`run(1, ..., "train.watchdog_seconds=6", DFLASH_INJECT_FAULT="hang:rank=0:step=2")`, started by `stalled_job`."""
+    proc, log = stalled_job
+    proc.wait(timeout=180)
+    output = log.read_text()
     assert proc.returncode != 0
     assert "WATCHDOG" in output and "inject_fault" in output and "last stage" in output
 
