@@ -154,6 +154,14 @@ def _exit_with(parent: int) -> None:
     threading.Thread(target=watch, name="prewarm-parent-watch", daemon=True).start()
 
 
+NICENESS = 10
+"""The worker and its compile workers yield the CPU to the run's own data phase. On a fresh H100 (docs/LOG.md, session
+23) the `gpu` recipe's regeneration + taps ran at 17.5K new tok/s beside the prewarm against 42K without it (session 22,
+another machine), so the data phase took ~44 s longer while the first step's compile (55 s before) vanished from the
+training budget. Whether the CPU (16 cores against inductor's compile pool and the tap file's writing) or the shared GPU
+caused it was not measured; a lower CPU priority costs the prewarm nothing where the cores are free."""
+
+
 def main() -> None:
     """Exits at once (os._exit) once its result is written or it failed: an interpreter's teardown of inductor's
     compile workers would only keep the run waiting."""
@@ -161,7 +169,9 @@ def main() -> None:
     try:
         request = pickle.load(sys.stdin.buffer)
         _exit_with(os.getppid())
-        say(f"pid {os.getpid()}, device {request.device}, inductor cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR')}")
+        niceness = os.nice(NICENESS)  # inherited by inductor's compile workers
+        say(f"pid {os.getpid()}, nice {niceness}, device {request.device}, "
+            f"inductor cache {os.environ.get('TORCHINDUCTOR_CACHE_DIR')}")
         atomic.write_text(request.result_path, json.dumps(prewarm(request)))
         code = 0
     except BaseException as e:  # noqa: BLE001 - every failure ends here, told in the log the run points to

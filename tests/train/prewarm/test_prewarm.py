@@ -75,6 +75,8 @@ def test_the_first_step_loads_the_prewarmed_graphs_and_trains_as_a_run_that_comp
     warm_log, cold_log = (_finished(job) for job in jobs)
 
     assert "compile prewarm: done in" in warm_log
+    worker_log = (warm / "run" / "compile-prewarm.log").read_text()
+    assert f"nice {min(19, os.nice(0) + worker.NICENESS)}, device cpu" in worker_log  # it yields the data phase the CPU
     graphs = int(warm_log.split("compile prewarm: done in")[1].split(" graphs compiled into inductor's cache")[0]
                  .rsplit(" ", 1)[1])
     assert graphs >= 3  # the drafter's forward and backward, the loss chunk
