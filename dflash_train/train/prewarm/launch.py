@@ -3,7 +3,9 @@ what it did and what the first step found.
 
 Why: on a machine whose inductor and Triton caches are empty, the `gpu` recipe's first step spent 67 s compiling
 (12 s with the caches warm), inside its 3.5-minute training budget, while the ~80 s before it (GGUF conversion,
-target load, synthesis, regeneration with taps: GPU work) left the CPU cores idle (docs/PERF.md, "Compile prewarm").
+target load, synthesis, regeneration with taps) was GPU work. On a fresh H100 with the prewarm the first step took
+9.3 s (every graph from the cache) and the budget trained 14 % more steps, but regeneration beside it ran at 40 % of
+its speed: the data phase took ~44 s longer (docs/PERF.md section 7, session 23; hence worker.NICENESS).
 
 How: right after the config and topology are checked, before the target loads, each drafter rank that will compile
 starts `python -m dflash_train.train.prewarm.worker` on its own device: a process, never a thread (rule 1 of the
