@@ -31,8 +31,9 @@ Conventions:
   drafter B, drafter lm_head B-1), and on a CPU where it makes the target's own few-token forward
   faster (`few_rows_pay_model`, measured once per model) every linear of 2..4 rows runs as
   `weight @ x.T` (`few_row_linear`), which MKL did in ~2/3 of the time of `x @ weight.T` on an AVX-only
-  EPYC and slower on an AVX-512 Xeon; the plain loop's 1-row forward gains nothing from it and runs as is. A draft vocabulary (`DraftHead`)
-  cuts the drafter's lm_head to the rows of its training softmax (4,096 of 49,152 in the default).
+  EPYC and slower on an AVX-512 Xeon; the plain loop's 1-row forward gains nothing from it and runs as
+  is. A draft vocabulary (`DraftHead`) cuts the drafter's lm_head to the rows of its training softmax
+  (4,096 of 49,152 in the default).
 """
 
 from __future__ import annotations
