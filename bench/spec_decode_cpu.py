@@ -227,6 +227,8 @@ def main() -> int:
         ratio = 0.0
         with bench.phase("measure"):
             ratio = report(bench, measure(target, drafter, prompt, args.reps, args.steps, bench))
+        bench.figure("few_row_route", float(sd.few_rows_pay_model(target.model)),
+                     "1: 2..4-row linears run as weight @ x.T here (the target's own 4-token forward decided it)")
     return bench.finish(f"a draft+verify cycle costs {ratio:.2f} plain steps (goal <= 1.5)", args.json)
 
 
