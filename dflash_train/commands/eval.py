@@ -92,14 +92,13 @@ def _simulator(cfg, drafter, target):
 
 
 def _print_report(report: dict, temperature: float) -> None:
-    from dflash_train.eval.evaluate import beside_note
-    from dflash_train.eval.report import lossless_note, summary_table
+    from dflash_train.eval.evaluate import set_notes
+    from dflash_train.eval.report import summary_table
 
     print(summary_table({**report["sets"], "overall": report["overall"]}), flush=True)
     print(f"eval: decoded by the {report['decoder']} loops in {report['dtype']}; a draft+verify cycle costs "
           f"{report['overall']['cycle_plain_steps']:.2f} plain steps", flush=True)
     for name, figures in report["sets"].items():
-        for note in (beside_note(figures), lossless_note(figures, report["dtype"] == "float32", temperature)):
-            if note:
-                print(f"eval [{name}]: {note}", flush=True)
+        for note in set_notes(figures, report["dtype"], temperature):
+            print(f"eval [{name}]: {note}", flush=True)
     print(f"eval: report {report['report']}; plots {', '.join(report['plots'])}", flush=True)

@@ -202,6 +202,14 @@ def beside_note(figures: dict) -> str | None:
 
 
 
+def set_notes(figures: dict, dtype: str, temperature: float) -> list[str]:
+    """The lines printed under a set's figures: the decode beside the headline, explained near-ties, prompts timed
+    during a stall."""
+    notes = (beside_note(figures), rep.lossless_note(figures, dtype == "float32", temperature),
+             rep.timing_note(figures))
+    return [note for note in notes if note]
+
+
 def _decode_both(drafter, target, ids: torch.Tensor, opts: dict, seed: int) -> tuple[SpecResult, GenResult]:
     """Speculative and plain decoding of one prompt, each from its own generator of the same seed."""
     device = ids.device

@@ -13,12 +13,15 @@ Definitions (per set of prompts, pooled over all verification steps of all promp
   prefill s) / target steps), a plain step being each token after the prefill's. What a cycle costs
   on this machine, whatever the drafter's quality. The prefills stay in the speedup: on 64-token
   outputs a speculative prefill (which also taps the context) weighs on ~tau x fewer cycles.
+- cycle_outliers = the prompts whose own cycle is OUTLIER_FACTOR x off the set's median: timed while something
+  else held the machine (a stall inside one decoder counts against that side only), named in a printed note.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 from typing import Sequence
 
@@ -68,7 +71,47 @@ def summarize(spec: Sequence[SpecResult], plain: Sequence[GenResult], block_size
         if stats["steps"] and plain_s > plain_pre and plain_steps else 0.0,
         # Greedy spec decoding must reproduce the target; in bf16 a near-tie can flip one token.
         "identical_outputs": sum(1 for s, p in zip(spec, plain) if s.tokens == p.tokens),
+        "cycle_outliers": cycle_outliers(spec, plain),
     }
+
+
+OUTLIER_FACTOR = 2.0
+"""A prompt whose own cycle (in its own plain steps) is this many times the set's median, or that many times below
+it, was timed while something else held the machine: a cycle's cost depends on the machine, not on the prompt."""
+
+
+def prompt_cycle(spec: SpecResult, plain: GenResult) -> float | None:
+    """One prompt's draft+verify cycle in its own plain decode's steps, the prefills left out (None: no cycle)."""
+    steps, plain_steps = len(spec.accepted), len(plain.tokens) - 1
+    spec_s, plain_s = spec.seconds - spec.prefill_seconds, plain.seconds - plain.prefill_seconds
+    if steps <= 0 or plain_steps <= 0 or spec_s <= 0 or plain_s <= 0:
+        return None
+    return (spec_s / steps) / (plain_s / plain_steps)
+
+
+def cycle_outliers(spec: Sequence[SpecResult], plain: Sequence[GenResult]) -> list[dict]:
+    """The prompts (index in the set, cycle, the set's median cycle) whose cycle is OUTLIER_FACTOR x off the median
+    of at least 3 prompts: a stall inside one decoder's timing, which the pooled speedup cannot tell from a slow
+    drafter."""
+    cycles = [(i, c) for i, (s, p) in enumerate(zip(spec, plain)) if (c := prompt_cycle(s, p)) is not None]
+    if len(cycles) < 3:
+        return []
+    median = statistics.median(c for _, c in cycles)
+    return [{"prompt": i, "cycle_plain_steps": c, "median_cycle_plain_steps": median} for i, c in cycles
+            if c > OUTLIER_FACTOR * median or c * OUTLIER_FACTOR < median]
+
+
+def timing_note(figures: dict) -> str | None:
+    """A note naming the prompts timed during a stall (`cycle_outliers`), so a busy machine is not read as a slow
+    drafter; None when there were none."""
+    outliers = figures.get("cycle_outliers") or []
+    if not outliers:
+        return None
+    which = ", ".join(f"prompt {o['prompt']}: {o['cycle_plain_steps']:.2f}" for o in outliers)
+    return (f"timing: {len(outliers)} prompt(s) decoded at a cycle far from the set's median "
+            f"{outliers[0]['median_cycle_plain_steps']:.2f} plain steps ({which}); a cycle's cost depends on the "
+            f"machine, not the prompt, so something else ran meanwhile and this set's speedup is off by it: "
+            f"rerun `dflash-train eval` on a quiet machine for a clean figure")
 
 
 def write_json(report: dict, out_dir: Path) -> Path:

@@ -23,9 +23,8 @@ from dflash_train.data.anchors import anchor_coverage
 from dflash_train.data.conversations import chat_record
 from dflash_train.diagnostics.threads import contention_notice
 from dflash_train.diagnostics.watchdog import Watchdog
-from dflash_train.eval.evaluate import eval_draft_vocab, evaluate_as_served, beside_note
+from dflash_train.eval.evaluate import eval_draft_vocab, evaluate_as_served, set_notes
 from dflash_train.eval.prompt_sets import SetContext, load_prompt_sets
-from dflash_train.eval.report import lossless_note
 from dflash_train.model.drafter.config import DrafterConfig
 from dflash_train.model.drafter.export.hf_format import load_zlab
 from dflash_train.model.target.load import load_target
@@ -420,9 +419,8 @@ def _real_eval(cfg: RunConfig, drafter_dir: Path, target, out_dir: Path, log, he
             f"speedup {figures['speedup']:.2f}x "
             f"(a draft+verify cycle costs {figures['cycle_plain_steps']:.2f} plain steps), "
             f"{figures['identical_outputs']}/{figures['num_prompts']} outputs identical to plain greedy")
-        for note in (beside_note(figures), lossless_note(figures, report["dtype"] == "float32", cfg.eval.temperature)):
-            if note:
-                log(f"eval [{name}]: {note}")
+        for note in set_notes(figures, report["dtype"], cfg.eval.temperature):
+            log(f"eval [{name}]: {note}")
     return {"eval": report["sets"], "report": str(out_dir / "eval" / "report.json")}
 
 

@@ -1,5 +1,7 @@
 """tau, per-position acceptance, histogram and speed figures on hand-made cases; plots and table."""
 
+import statistics
+
 import pytest
 
 from dflash_train.eval.report import HISTOGRAM_PNG, PER_POSITION_PNG, acceptance_stats, plot, summarize, summary_table
@@ -66,3 +68,26 @@ def test_lossless_note_warns_only_when_greedy_outputs_differ():
     assert "3 of 4" in lossless_note(differ, float32=True, temperature=0.0)
     assert "near-tie" in lossless_note(differ, float32=False, temperature=0.0)
     assert "reduced precision" in lossless_note(differ, float32=False, temperature=0.0)
+
+
+def test_a_prompt_timed_during_a_stall_is_named_and_the_others_are_not():
+    """A cycle's cost is the machine's, so one prompt whose cycle is 2x off the set's median (here a 12-s stall
+    inside its speculative decode, or inside its plain decode) is named in the report and in a printed note;
+    a set whose cycles agree, or one too small to have a median, gets neither."""
+    from dflash_train.eval.report import cycle_outliers, timing_note
+
+    def pair(spec_s: float, plain_s: float):  # 10 cycles of 2 tokens; 19 plain steps after a 0.1-s prefill
+        return (SpecResult([1] * 20, [1] * 10, 4, spec_s, False, prefill_seconds=0.1),
+                GenResult([1] * 20, plain_s, False, 0.1))
+
+    calm = [pair(1.1 + 0.1 * i, 1.5 + 0.05 * i) for i in range(5)]  # cycles ~1.3-1.4 plain steps each
+    assert cycle_outliers(*zip(*calm)) == [] and timing_note(summarize(*zip(*calm), block_size=4)) is None
+    for stalled in (pair(13.2, 1.6), pair(1.2, 13.6)):  # a stall in the speculative / the plain decode
+        runs = calm[:2] + [stalled] + calm[2:]
+        found = cycle_outliers(*zip(*runs))
+        assert [o["prompt"] for o in found] == [2]
+        assert found[0]["median_cycle_plain_steps"] == pytest.approx(statistics.median(
+            (s.seconds - 0.1) / 10 / ((p.seconds - 0.1) / 19) for s, p in runs))  # 6 prompts: the middle two's mean
+        note = timing_note(summarize(*zip(*runs), block_size=4))
+        assert "prompt 2:" in note and "rerun" in note
+    assert cycle_outliers(*zip(*[calm[0], pair(13.2, 1.6)])) == []  # 2 prompts: no median to judge by
