@@ -52,7 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script:
 from bench._common import Bench  # noqa: E402
 
 from dflash_train import recipes
-from dflash_train.eval import spec_decode, static_decode
+from dflash_train.eval import few_rows, static_decode
 from dflash_train.eval.spec_decode import DraftHead
 from dflash_train.eval.static_decode import StaticDecoder
 from dflash_train.model.drafter.heads.architectures import HEADS, build_drafter
@@ -150,7 +150,7 @@ def instrument(dec: StaticDecoder, stages: Stages):
              (static_decode, "top2_gap", w(static_decode.top2_gap, "gaps")),
              (dec, "_append_context", w(dec._append_context, "context append")),
              # what a GPU runs: the CPU-only few-row matmul route off
-             (static_decode, "_few_row_mode", lambda *a: contextlib.nullcontext()), (spec_decode, "FEW_ROWS", (2, 1))]
+             (few_rows, "few_row_mode", lambda *a: contextlib.nullcontext()), (few_rows, "FEW_ROWS", (2, 1))]
     pairs += [(m, "forward", w(m.forward, "draft: chain: head modules")) for m in _head_modules(d)]
     if hasattr(dec.head, "scores"):  # its halves apart, so a head that scores its slots at once still does
         pairs += [(dec.head, "scores", w(dec.head.scores, "draft: chain: lm_head")),

@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the repository root on the path
 from bench._common import Bench  # noqa: E402
+from dflash_train.eval import few_rows
 from dflash_train.eval import spec_decode as sd
 from dflash_train.model.drafter.config import drafter_config_from_target
 from dflash_train.model.drafter.backbone import DFlashDrafter
@@ -82,7 +83,7 @@ class Run:
     def staged_step(self, out: dict) -> None:
         """`_spec_step` at temperature 0 with a timer between stages (keep in step with it)."""
         t, d, st, B = self.t, self.d, self.state, self.d.config.block_size
-        with sd._few_row_mode(t.model, t.embed_weight.device):  # as `_spec_step`: only where it measures faster
+        with few_rows.few_row_mode(t.model, t.embed_weight.device):  # as `_spec_step`: only where it measures faster
             self._stages(t, d, st, B, out)
 
     def _stages(self, t, d, st, B: int, out: dict) -> None:
@@ -227,7 +228,7 @@ def main() -> int:
         ratio = 0.0
         with bench.phase("measure"):
             ratio = report(bench, measure(target, drafter, prompt, args.reps, args.steps, bench))
-        bench.figure("few_row_route", float(sd.few_rows_pay_model(target.model)),
+        bench.figure("few_row_route", float(few_rows.few_rows_pay_model(target.model)),
                      "1: 2..4-row linears run as weight @ x.T here (the target's own 4-token forward decided it)")
     return bench.finish(f"a draft+verify cycle costs {ratio:.2f} plain steps (goal <= 1.5)", args.json)
 

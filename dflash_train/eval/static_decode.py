@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from dflash_train.data.graph_decode import CapturedStep, bucket_length, decode_attention, supports
-from dflash_train.eval.spec_decode import (DraftHead, GenResult, SpecResult, _done, _finish, _few_row_mode, _sync,
-                                           top2_gap)
+from dflash_train.eval import few_rows
+from dflash_train.eval.spec_decode import DraftHead, GenResult, SpecResult, _done, _finish, _sync, top2_gap
 from dflash_train.model.drafter.attention import SLIDING
 from dflash_train.model.target.decoding import cache_kwarg
 from dflash_train.model.drafter.backbone import DFlashDrafter
@@ -214,7 +214,7 @@ class StaticDecoder:
         accepted: list[int] = []
         first = 0.0
         if max_new_tokens > 0:
-            with decode_attention(self.model), _few_row_mode(self.model, self.device):
+            with decode_attention(self.model), few_rows.few_row_mode(self.model, self.device):
                 self._prefill(prompt_ids, taps=True)
                 tokens.append(int(self.anchor))
                 first = time.perf_counter() - t0  # int() waited for the device

@@ -176,26 +176,6 @@ def test_greedy_with_a_draft_vocabulary_equals_target_and_drafts_inside_it(qwen3
     assert drafts and set(drafts) <= set(ids.tolist())
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8])
-def test_few_row_linear_routes_only_few_rows_and_matches_linear(rows):
-    """Inside `few_row_linear`, nn.Linear on 2..4 rows equals `few_row_matmul` (+ bias) bit for bit
-    and F.linear to rounding; any other row count runs F.linear itself, untouched."""
-    g = torch.Generator().manual_seed(rows)
-    layer = torch.nn.Linear(24, 40, bias=True)
-    x = torch.randn(1, rows, 24, generator=g)
-    with torch.no_grad():
-        plain = layer(x)
-        with spec_decode.few_row_linear() as mode:
-            routed = layer(x)
-        few = spec_decode.few_row_matmul(x[0], layer.weight) + layer.bias
-    assert routed.shape == plain.shape and routed.is_contiguous()
-    torch.testing.assert_close(routed, plain, rtol=1e-5, atol=1e-5)
-    if spec_decode.FEW_ROWS[0] <= rows <= spec_decode.FEW_ROWS[1]:
-        assert mode.routed == 1 and torch.equal(routed[0], few)
-    else:
-        assert mode.routed == 0 and torch.equal(routed, plain)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_top2_gaps_are_those_of_the_float32_logits(dtype):
     """`top2_gap` takes the top two before the float32 cast (no float32 copy of the verify's rows, issue 37):
@@ -422,21 +402,3 @@ def test_a_dspark_drafter_s_full_blocks_are_reported(qwen3, prompts, monkeypatch
     report = ev._assemble({"s": ([spec], [plain])}, 2, drafter.drafted(2),
                           {"max_new_tokens": 12, "eos": set(), "temperature": 0.0}, None, 0, 1.0)
     assert max(spec.accepted) == 2 and report["overall"]["tau"] == report["sets"]["s"]["tau"] > 2
-
-
-def test_few_row_route_is_decided_on_the_models_own_forward_once(monkeypatch):
-    """`few_rows_pay_model` times the model's few-token forward both ways (the routed one really routed) and
-    keeps the faster, once per model; where the widest matmul alone already loses, it runs no forward."""
-    model = tiny_target(dtype=torch.float32)
-    calls = []
-    model.register_forward_hook(lambda *_: calls.append(isinstance(torch.overrides._get_current_function_mode(),
-                                                                   spec_decode.few_row_linear)))
-    monkeypatch.setattr(spec_decode, "few_rows_pay", lambda *a, **k: False)
-    assert spec_decode.few_rows_pay_model(model) is False and calls == []
-    spec_decode._MODEL_VERDICTS.clear()
-    monkeypatch.setattr(spec_decode, "few_rows_pay", lambda *a, **k: True)
-    verdict = spec_decode.few_rows_pay_model(model, reps=3)
-    assert calls == [True, False] * 4  # one warm-up round and 3 timed, each routed then as is
-    assert spec_decode.few_rows_pay_model(model, reps=3) is verdict and len(calls) == 8  # remembered
-    mode = spec_decode._few_row_mode(model, torch.device("cpu"))
-    assert isinstance(mode, spec_decode.few_row_linear) == verdict
