@@ -57,13 +57,13 @@ def _few_rows_pay(shape: tuple, dtype: torch.dtype, rows: int, reps: int) -> boo
     return best(few_row_matmul) < 0.95 * best(F.linear)
 
 
-
 def project(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [n, K] @ weight[N, K].T -> [n, N] in the order this CPU computes faster for n rows (`few_rows_pay`: one
     matmul is the whole work here, so timing it alone decides); elsewhere `x @ weight.T`."""
     if x.device.type == "cpu" and FEW_ROWS[0] <= x.shape[0] <= FEW_ROWS[1] and few_rows_pay(weight, x.shape[0]):
         return few_row_matmul(x, weight)
     return x @ weight.T
+
 
 def few_row_mode(model, device: torch.device):
     """`few_row_linear` on a CPU where it makes the model's own verify-shaped forward faster, else nothing."""

@@ -30,8 +30,8 @@ Conventions:
 - CPU cost (bench/spec_decode_cpu.py, docs/PERF.md): a step's forwards run a few rows (verify B,
   drafter B, drafter lm_head B-1), and on a CPU where it makes the target's own few-token forward
   faster every linear of 2..4 rows runs as `weight @ x.T` (eval/few_rows.py); the plain loop's 1-row
-  forward gains nothing from it and runs as is. A draft vocabulary (`DraftHead`) cuts the drafter's lm_head to the rows of its training softmax
-  (4,096 of 49,152 in the default).
+  forward gains nothing from it and runs as is. A draft vocabulary (`DraftHead`) cuts the drafter's
+  lm_head to the rows of its training softmax (4,096 of 49,152 in the default).
 """
 
 from __future__ import annotations
