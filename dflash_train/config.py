@@ -116,6 +116,11 @@ class DataConfig:
     tap_during_regeneration: bool = True
     """Keep the taps computed while regenerating (single-process colocated runs): the target never
     runs again during training. Otherwise taps are computed by a target forward every step."""
+    taps_device: Literal["auto", "host", "device"] = "auto"
+    """Where the kept taps wait for their step (train/feed/packed.py): device: on the GPU, so a step's rows are
+    one gather there and the host copies none of their bytes (15 GB for the `gpu` recipe); host: in host
+    memory, gathered into pinned memory each step; auto: device when they take at most 60 % of its free
+    memory after the data phase, else host. The run says which and why."""
     regen_max_new_tokens: int = 256
     regen_batch_size: int = 16
     synth_max_new_tokens: int = 96
@@ -290,6 +295,12 @@ class TrainConfig:
     max_bad_steps: int = 3
     """Consecutive non-finite steps (loss or gradient norm; each is skipped, not applied) that stop the run."""
     tensorboard: bool = True
+    profile_steps: int = 0
+    """Profile this many steps with torch.profiler, after the first 3 of the process (compiles done), on the
+    main drafter rank: where a step's time goes (host ranges, kernels, an idle device). Those steps run slower
+    (a device synchronize at each end, the profiler's bookkeeping; with train.max_minutes that time counts
+    like any other) and train the same. Writes <out_dir>/profile/: trace.json (chrome://tracing, Perfetto),
+    summary.txt (top ops), summary.json; logs one line (train/watch/profile.py). 0: off."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -122,9 +122,9 @@ def regenerate_cached(cfg: DataConfig, target, target_name: str, conversations, 
 
 def prepare_tapped(cfg: DataConfig, target, target_name: str, layer_ids: list[int], work_dir: Path, seed: int,
                    log=print, heartbeat=None, final_hidden: bool = False):
-    """Regenerate + tap in one pass (cached; a concurrent job waits on its lock): (train samples, held-out
-    samples, their stored rows {name: tensor}); `final_hidden` also keeps the target's final hidden state
-    (a distillation loss), in a cache file of its own."""
+    """Regenerate + tap in one pass (cached; a concurrent job waits on its lock): the `TappedSamples` and
+    ((train samples, their indices in it), (held-out samples, theirs)); `final_hidden` also keeps the target's
+    final hidden state (a distillation loss), in a cache file of its own."""
     cfg = resolved(cfg, target.tokenizer, target_name)
     suffix = "-final" if final_hidden else ""
     path = work_dir / f"tapped-{cache_key(cfg, target_name, seed)}-{'_'.join(map(str, layer_ids))}{suffix}.safetensors"
@@ -136,7 +136,7 @@ def prepare_tapped(cfg: DataConfig, target, target_name: str, layer_ids: list[in
                             verify=True):
         log(f"data: using cached regenerated samples and taps {path} (content checked against its record)")
     tapped = TappedSamples.load(path)
-    return split_held_out(tapped.samples, cfg.eval_fraction, tapped.rows())
+    return tapped, split_held_out(tapped.samples, cfg.eval_fraction)
 
 
 def _regenerate_and_tap(cfg: DataConfig, target, target_name: str, layer_ids: list[int], work_dir: Path, seed: int,

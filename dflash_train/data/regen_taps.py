@@ -48,6 +48,17 @@ class TappedSamples:
     samples: list[Sample]
     taps: list[torch.Tensor]  # per sample [len, K*H], storage dtype
     final_hidden: list[torch.Tensor] | None = None  # per sample [len, H] after the final norm, when stored
+    flat: dict[str, torch.Tensor] | None = None  # loaded: the file's [T, width] tensors the rows are views of
+
+    def packed(self) -> dict[str, torch.Tensor]:
+        """{name: [T, width]}: every sample's rows end to end, in sample order (the loaded file's own tensors,
+        no copy)."""
+        if self.flat is not None:
+            return self.flat
+        out = {"taps": torch.cat(self.taps)}
+        if self.final_hidden is not None:
+            out[FINAL_HIDDEN] = torch.cat(self.final_hidden)
+        return out
 
     def rows(self) -> list[dict[str, torch.Tensor]]:
         """Per sample {name: [len, width]}: what the trainer's StoredRows reads."""
@@ -86,7 +97,7 @@ class TappedSamples:
             if final is not None:
                 final_list.append(final[start:start + n])
             start += n
-        return cls(samples, tap_list, final_list if final is not None else None)
+        return cls(samples, tap_list, final_list if final is not None else None, mapped)
 
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,

@@ -57,12 +57,13 @@ def test_a_cache_without_a_content_record_is_rebuilt_and_said(tiny_qwen3_target,
 def test_garbage_in_the_cached_taps_file_is_named_and_rebuilt(tiny_qwen3_target, data_cfg, tmp_path):
     cfg = dataclasses.replace(data_cfg, regenerate=True, max_samples=6)
     log = []
-    (train, train_rows), _ = prepare_tapped(cfg, tiny_qwen3_target, NAME, [1, 3], tmp_path, 0, log.append)
-    want = [row["taps"].clone() for row in train_rows]
+    tapped, ((train, train_index), _) = prepare_tapped(cfg, tiny_qwen3_target, NAME, [1, 3], tmp_path, 0, log.append)
+    want = [tapped.taps[i].clone() for i in train_index]
     path = next(tmp_path.glob("tapped-*.safetensors"))
     _garbage_in_the_middle(path)
     log.clear()
-    (train2, rows2), _ = prepare_tapped(cfg, tiny_qwen3_target, NAME, [1, 3], tmp_path, 0, log.append)
+    tapped2, ((train2, index2), _) = prepare_tapped(cfg, tiny_qwen3_target, NAME, [1, 3], tmp_path, 0, log.append)
+    rows2 = [tapped2.rows()[i] for i in index2]
     said = "\n".join(log)
     assert path.name in said and "sha256 differs" in said and "rebuilding" in said
     assert [s.input_ids for s in train2] == [s.input_ids for s in train]

@@ -1,7 +1,8 @@
 """Where a drafter rank's taps come from (`TapsSource`), and the target ranks' side (`TargetServer`).
 
   ColocatedSource   runs the target in this process, right before the drafter step
-  StoredSource      looks the taps up per sample (regenerate+tap cache in memory, or offline shards)
+  StoredSource      gathers the taps of a step's samples (the regenerate+tap cache packed on the GPU or in
+                    host memory, feed/packed.py; or offline shards, read per sample)
   RemoteSource      receives taps from target ranks by torch.distributed point-to-point; it posts
                     the receives of the next `prefetch` steps ahead so transfers overlap compute
   TargetServer      a target rank: compute taps, send them, at most `max_in_flight` unacknowledged
@@ -20,11 +21,15 @@ import time
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
 import torch.distributed as dist
 
 from dflash_train.train.feed.balance import ComputeTimer
 from dflash_train.train.feed.batching import BatchPlan, MicroBatch, Sample, StepSampler, collate
+from dflash_train.train.feed.packed import PackedRows
 from dflash_train.train.feed.taps import StoredRows, TapsSpec, target_tensors
+
+Rows = StoredRows | PackedRows  # per-sample stored tensors: fetched one by one (shards) or packed end to end
 from dflash_train.train.parallel.topology import Topology
 
 
@@ -112,20 +117,21 @@ class ColocatedSource(SampledSource):
 class StoredSource(SampledSource):
     """Stored rows padded to the micro-batch length; no target forward during training."""
 
-    def __init__(self, feed: Feed, drafter_index: int, rows: StoredRows, held_out_rows: StoredRows):
+    def __init__(self, feed: Feed, drafter_index: int, rows: Rows, held_out_rows: Rows, device: torch.device):
         super().__init__(feed, drafter_index)
         self.rows, self.held_out_rows = rows, held_out_rows
+        self.pinned = device.type == "cuda"  # host rows gathered straight into memory a GPU copy reads
 
     def next_step(self) -> tuple[int, list[MicroBatch]]:
         epoch, groups, mbs = self._draw()
         self.step_tokens = self.drawn_tokens
         for mb, group in zip(mbs, groups):
-            mb.from_target = self.feed.spec.padded([self.rows[i] for i in group], mb.input_ids.shape[1])
+            mb.from_target = self.rows.padded(group, mb.input_ids.shape[1], self.feed.spec, self.pinned)
         return epoch, mbs
 
     def held_out(self) -> list[MicroBatch]:
         for i, mb in enumerate(self.feed.held_out):  # in order: held-out micro-batch i is held-out sample i
-            mb.from_target = self.feed.spec.padded([self.held_out_rows[i]], mb.input_ids.shape[1])
+            mb.from_target = self.held_out_rows.padded([i], mb.input_ids.shape[1], self.feed.spec, self.pinned)
         return self.feed.held_out
 
 
@@ -186,11 +192,11 @@ class RemoteSource(SampledSource):
 
 
 def build_source(feed: Feed, topo: Topology, target, layer_ids, device, total_steps: int,
-                 stored: tuple[StoredRows, StoredRows] | None, stop_step=None) -> TapsSource:
+                 stored: tuple[Rows, Rows] | None, stop_step=None) -> TapsSource:
     """The taps route of a drafter rank: stored rows when the data came with them, else the
     target in this process, else the target ranks (`stop_step()`: the agreed stop, or None)."""
     if stored is not None:
-        return StoredSource(feed, topo.drafter_index, *stored)
+        return StoredSource(feed, topo.drafter_index, *stored, device)
     if topo.target_in_process:
         return ColocatedSource(feed, topo.drafter_index, target, layer_ids, device)
     return RemoteSource(feed, topo, device, total_steps, stop_step=stop_step)

@@ -100,6 +100,10 @@ class StoredRows:
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return self.fetch(i)
 
+    def padded(self, indices: list[int], seq_len: int, spec: TapsSpec, pinned: bool = False) -> dict[str, torch.Tensor]:
+        """Samples `indices` padded to [b, S, width] per entry (host memory; `pinned` is for `PackedRows`)."""
+        return spec.padded([self[i] for i in indices], seq_len)
+
     def __len__(self) -> int:
         return self.count
 

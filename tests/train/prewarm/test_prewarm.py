@@ -19,6 +19,7 @@ from dflash_train.overrides import apply_overrides
 from dflash_train.train import setup
 from dflash_train.train.feed.batching import Sample
 from dflash_train.train.feed.sources import Feed, StoredSource
+from dflash_train.train.feed.packed import PackedRows
 from dflash_train.train.feed.taps import StoredRows, taps_spec
 from dflash_train.train.parallel.topology import Topology
 from dflash_train.train.prewarm import worker
@@ -159,16 +160,18 @@ def test_the_dummy_batches_have_the_shapes_dtypes_and_strides_the_run_feeds_its_
     gen = torch.Generator().manual_seed(1)
     lengths = torch.randint(10, 90, (8,), generator=gen).tolist()  # shorter and longer than data.max_len
     samples = [Sample(f"s{i}", tuple(range(2, n + 2)), (0,) * 3 + (1,) * (n - 3)) for i, n in enumerate(lengths)]
-    rows = StoredRows.in_memory([{f.name: torch.randn(n, f.width).to(f.dtype) for f in spec.fields} for n in lengths],
-                                spec.names)
+    per_sample = [{f.name: torch.randn(n, f.width).to(f.dtype) for f in spec.fields} for n in lengths]
+    rows = StoredRows.in_memory(per_sample, spec.names)
+    packed = PackedRows.of_lengths({name: torch.cat([r[name] for r in per_sample]) for name in spec.names}, lengths)
     feed = Feed(samples, plan, setup.collate_args(cfg, kernels), [], spec, cfg.train.seed)
-    _, real = StoredSource(feed, 0, rows, rows).next_step()
+    _, real = StoredSource(feed, 0, rows, rows, torch.device("cpu")).next_step()
+    _, real_packed = StoredSource(feed, 0, packed, packed, torch.device("cpu")).next_step()  # the regenerate + tap route
 
     def keyed(mbs):
         return [{name: (tuple(t.shape), t.dtype, t.stride()) for name, t in
                  {"input_ids": mb.input_ids, "loss_mask": mb.loss_mask, "anchors": mb.anchors, "keep": mb.keep,
                   **mb.from_target}.items()} for mb in mbs]
 
-    assert keyed(dummy) == keyed(real)
+    assert keyed(dummy) == keyed(real) == keyed(real_packed)
     assert dummy[0].input_ids.shape == (micro_batch, cfg.data.max_len) and len(dummy) == 4 // micro_batch
     assert set(dummy[0].from_target) == {"taps", "final_hidden"}  # loss.kind=tv reads the target's distribution
