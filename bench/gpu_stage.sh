@@ -13,6 +13,7 @@
 # carry ["peer"] with its wheels: bash bench/peers/fetch_wheels.sh peer/.whl), `peereval NAME` evaluates it beside
 # the arm's report (issue 38: ours >= peer + 0.2 on every set), each in a call of its own; `peerall NAME` does both in
 # one call and builds the data itself where no arm ran yet (an arm run after it reuses them: $R/runs/NAME/data -> $R/data).
+# Each arm samples the GPU's utilisation every 0.5 s into $OUT/NAME.util.csv (is the step waiting on the host?).
 # Steps: part0 | install | census | tests | arm NAME [overrides...] | curve POINTS [overrides...] | peer NAME | peereval NAME | peerall NAME
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -34,9 +35,11 @@ case "$1" in
     site; log "gpu tests"; timeout 200 python3 -m pytest -q -x tests/train/optim/test_muon_symmetric.py tests/data/test_graph_decode.py tests/eval/test_static_decode.py 2>&1 | tail -15 | tee -a $OUT/stage.log ;;
   arm)
     site; name=$2; shift 2; mkdir -p $R/runs/$name; [ -e $R/runs/$name/data ] || ln -s $R/data $R/runs/$name/data
-    log "arm $name: $*"
+    log "arm $name ($(git log -1 --format=%h 2>/dev/null || basename $PWD)): $*"
+    nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -lms 500 > $OUT/$name.util.csv &
+    smi=$!
     python3 -m dflash_train train --recipe gpu train.out_dir=$R/runs/$name eval.num_prompts=24 $SETS "$@" > $OUT/$name.log 2>&1
-    rc=$?; log "arm $name rc=$rc"; tail -40 $OUT/$name.log | tee -a $OUT/stage.log >/dev/null
+    rc=$?; kill $smi; log "arm $name rc=$rc"; tail -40 $OUT/$name.log | tee -a $OUT/stage.log >/dev/null
     cp $R/runs/$name/eval/report.json $OUT/$name.report.json 2>/dev/null ;;
   peer|peereval|peerall)
     site; step=$1; name=$2; shift 2; S=/tmp/peersite
