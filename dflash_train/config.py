@@ -298,9 +298,10 @@ class TrainConfig:
     profile_steps: int = 0
     """Profile this many steps with torch.profiler, after the first 3 of the process (compiles done), on the
     main drafter rank: where a step's time goes (host ranges, kernels, an idle device). Those steps run slower
-    (a device synchronize at each end, the profiler's bookkeeping; with train.max_minutes that time counts
-    like any other) and train the same. Writes <out_dir>/profile/: trace.json (chrome://tracing, Perfetto),
-    summary.txt (top ops), summary.json; logs one line (train/watch/profile.py). 0: off."""
+    (the profiler's bookkeeping, a device synchronize at each end of the window, then seconds to write the
+    files; with train.max_minutes that time counts like any other) and train the same. Writes
+    <out_dir>/profile/: trace.json (chrome://tracing, Perfetto), summary.txt (top ops), summary.json; logs one
+    line (train/watch/profile.py). 0: off."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -43,7 +43,7 @@ POSITIVE = (
 NON_NEGATIVE = (
     "drafter.mask_token_id", "loss.head_weight", "data.min_loss_tokens", "data.regen_temperature", "optim.weight_decay",
     "optim.grad_clip", "eval.num_prompts", "eval.temperature", "eval.near_tie_gap", "eval.near_tie_gap_float32",
-    "optim.muon_weight_decay",
+    "optim.muon_weight_decay", "train.profile_steps",
 )
 # Fields in a half-open [low, high) or closed [low, high] range: key -> (low, high, closed).
 RANGES = {

@@ -37,6 +37,7 @@ from dflash_train.train.state.checkpoint import (Checkpointer, DrafterState, Res
 from dflash_train.train.watch.health import BadStepGuard, CompileHealthWatch, FaultPlan, NonFiniteSteps
 from dflash_train.train.loss.objective import LossStats, summarize
 from dflash_train.train.watch.metrics import MetricsLog, TokenInterval, fmt_values
+from dflash_train.train.watch.profile import StepProfiler
 from dflash_train.train.optim.optimizer import TimeBudget
 from dflash_train.train.parallel.parallelize import use_shared_compile_cache
 from dflash_train.train.prewarm.launch import FirstStep, Prewarm, start_prewarm
@@ -280,14 +281,17 @@ def _loop(p: Process, s: Setup, t: Training):
     compiled = s.kernels.compiled
     health = CompileHealthWatch(compiled, s.kernels.backend == "flex", progress.step, metrics.above_bar(p.log))
     timer, interval, last_sim = ComputeTimer(p.device), TokenInterval(), None
+    profiler = StepProfiler(cfg.train.profile_steps if topo.is_main else 0, p.device, p.out_dir,
+                            metrics.above_bar(p.log))
     meta = {"config": cfg.to_dict(), "provenance": provenance(topo.world_size), "fingerprints": s.provenance.current}
     budget.start(progress.step, progress.seconds)  # a resumed run continues its time budget
     first_step = FirstStep(compiled, p.prewarm, metrics.above_bar(p.log))
     first_step.wait_for_prewarm(p.watchdog.beat)  # inside the budget: the compile time it replaces counted there too
     p.stop.deferring = True
     while progress.step < _end(s, budget) and not p.vote.stops_after(progress.step):
+        profiler.before_step(progress.step + 1)  # train.profile_steps: a window after warm-up (train/watch/profile.py)
         p.vote.before_step(progress.step + 1)
-        epoch, mbs, stats, grad_norm = _one_step(p, s, t, timer)
+        epoch, mbs, stats, grad_norm = _one_step(p, s, t, timer, profiler)
         first_step.report()  # once: its time and how many of its graphs inductor's caches held
         step = progress.step
         _decide_budget(p, t, metrics, step)
@@ -305,23 +309,27 @@ def _loop(p: Process, s: Setup, t: Training):
         last_sim = _held_out_and_checkpoint(p, s, t, metrics, meta, step, last or stopping, last_sim)
         if stopping or (last and budget.steps is not None and step < s.total_steps):
             metrics.write(p.vote.message(step, p.topo.role, cfg.train.max_minutes))
+        profiler.after_step(step)
+    profiler.close()
     metrics.close()
     return last_sim
 
 
-def _one_step(p: Process, s: Setup, t: Training, timer: ComputeTimer):
+def _one_step(p: Process, s: Setup, t: Training, timer: ComputeTimer, profiler: StepProfiler):
     """Receive (or read) the step's taps and train on them: (epoch, micro-batches, stats, grad norm)."""
     topo, progress = p.topo, t.progress
     p.watchdog.beat("waiting for taps")
-    epoch, mbs = t.source.next_step()
+    with profiler.phase("taps"):
+        epoch, mbs = t.source.next_step()
     p.faults.corrupt_taps(topo.rank, progress.step + 1, mbs)
     p.watchdog.beat("drafter step")
     timed = topo.has_target_ranks and balance.in_window(progress.step + 1)
     if timed:
         timer.start()
-    stats, grad_norm, flags = train_step(t.model, t.states["optimizer"], t.states["scheduler"], mbs, t.ctx,
-                                         p.cfg.optim.grad_clip, apply=not p.faults.skips(progress.step + 1),
-                                         progress=progress.step / max(1, _end(s, t.budget)))
+    with profiler.phase("train_step"):
+        stats, grad_norm, flags = train_step(t.model, t.states["optimizer"], t.states["scheduler"], mbs, t.ctx,
+                                             p.cfg.optim.grad_clip, apply=not p.faults.skips(progress.step + 1),
+                                             progress=progress.step / max(1, _end(s, t.budget)))
     if timed:
         timer.stop(sum(mb.input_ids.shape[0] for mb in mbs))
     progress.step += 1
