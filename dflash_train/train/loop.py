@@ -363,12 +363,14 @@ def _held_out_and_checkpoint(p: Process, s: Setup, t: Training, metrics: Metrics
         with p.watchdog.stage("held-out simulated tau"):
             last_sim = simulated_tau(t.drafter, t.held_out, t.ctx)
         metrics.log({"step": step, "seconds": round(t.budget.elapsed(), 1), "eval": last_sim})
-        metrics.write(f"step {step}: held-out simulated tau {last_sim['sim_tau']:.3f}, acc {fmt_values(last_sim['acc'])}")
+        metrics.write(f"step {step}: held-out simulated tau {last_sim['sim_tau']:.3f}, "
+                      f"acc {fmt_values(last_sim['acc'])}")
     if step % cfg.train.ckpt_every == 0 or final:
         with p.watchdog.stage("checkpoint"), p.watch.holding():
             progress.seconds = t.budget.elapsed()
             # only a figure measured on these weights may make this checkpoint `best`
-            path = s.checkpointer.save(step, t.weights, t.states, meta, sim_tau=last_sim["sim_tau"] if evaluated else None)
+            sim_tau = last_sim["sim_tau"] if evaluated else None
+            path = s.checkpointer.save(step, t.weights, t.states, meta, sim_tau=sim_tau)
         metrics.write(f"step {step}: checkpoint {path}")
     return last_sim
 

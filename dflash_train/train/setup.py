@@ -283,7 +283,8 @@ def load_or_build_samples(cfg: RunConfig, target, topo: Topology, work_dir: Path
     (`share_file`)."""
     path = None
     if topo.is_main or not topo.distributed:
-        path = prepare_samples(cfg.data, target, data_source_name(cfg, target), work_dir, cfg.train.seed, log, heartbeat)
+        path = prepare_samples(cfg.data, target, data_source_name(cfg, target), work_dir, cfg.train.seed, log,
+                               heartbeat)
     if topo.distributed:
         path = share_file(path, work_dir, topo.drafter_ranks[0], group, log)
     return load_samples(path, cfg.data.eval_fraction, target.vocab_size)

@@ -33,7 +33,8 @@ def test_a_step_gathered_from_packed_rows_is_the_per_sample_padding(seq_len, gat
     for indices in ([3, 0, 5], [7], [2, 2, 6, 1], list(range(len(LENGTHS)))):
         want = reference.padded(indices, seq_len, SPEC)
         # the GPU's route (one index_select, the padding masked) runs on the CPU's tensors too
-        got = packed.padded(indices, seq_len, SPEC) if gather == "host" else packed._device_gather(indices, seq_len, SPEC)
+        got = (packed.padded(indices, seq_len, SPEC) if gather == "host"
+               else packed._device_gather(indices, seq_len, SPEC))
         assert set(got) == set(want)
         for name in SPEC.names:
             assert got[name].shape == want[name].shape and got[name].dtype == want[name].dtype
