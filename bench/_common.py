@@ -43,6 +43,11 @@ SMALL_MOE_TARGET = dict(MOE_TARGET, hidden_size=64, intermediate_size=128, moe_i
 SMALL_TARGET = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096,
                     rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=1e6)
+# SmolLM2-135M-Instruct's shapes: the `gpu` recipe's target (its drafter's width, taps and vocabulary)
+SMOLLM2_TARGET = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                      num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
+                      rms_norm_eps=1e-5, tie_word_embeddings=True, rope_theta=1e5)
+TARGET_SHAPES = ("paper", "smollm2")
 PAPER_MASK_TOKEN = 151669  # the z-lab Qwen3 drafters' mask token id
 
 
@@ -217,15 +222,16 @@ def reset_peak_memory(device: torch.device) -> None:
 # Models
 
 
-def target_config(small: bool, layers: int | None = None, arch: str = "qwen3"):
-    """A Qwen3Config with the Qwen3-8B shapes, or (arch "qwen3-moe") a Qwen3MoeConfig with the
-    Qwen3-30B-A3B shapes; tiny smoke shapes with `small`. SDPA attention."""
+def target_config(small: bool, layers: int | None = None, arch: str = "qwen3", shape: str = "paper"):
+    """A Qwen3Config with the Qwen3-8B shapes (or SmolLM2-135M's with shape "smollm2"), or (arch "qwen3-moe")
+    a Qwen3MoeConfig with the Qwen3-30B-A3B shapes; tiny smoke shapes with `small`. SDPA attention."""
     from transformers import Qwen3Config, Qwen3MoeConfig
 
     if arch not in ("qwen3", "qwen3-moe"):
         raise ValueError(f"arch {arch!r}: expected qwen3 or qwen3-moe")
     moe = arch == "qwen3-moe"
-    kw = dict((SMALL_MOE_TARGET if small else MOE_TARGET) if moe else (SMALL_TARGET if small else PAPER_TARGET))
+    dense = SMOLLM2_TARGET if shape == "smollm2" else PAPER_TARGET
+    kw = dict((SMALL_MOE_TARGET if small else MOE_TARGET) if moe else (SMALL_TARGET if small else dense))
     if layers is not None:
         kw["num_hidden_layers"] = layers
     return (Qwen3MoeConfig if moe else Qwen3Config)(**kw, attn_implementation="sdpa")
@@ -291,7 +297,7 @@ def drafter_config(tcfg, *, layers: int, block_size: int, small: bool, arch: str
     from dflash_train.model.drafter.heads.architectures import head
     from dflash_train.model.drafter.config import drafter_config_from_target
 
-    mask_id = tcfg.vocab_size - 1 if small else PAPER_MASK_TOKEN
+    mask_id = PAPER_MASK_TOKEN if tcfg.vocab_size > PAPER_MASK_TOKEN and not small else tcfg.vocab_size - 1
     return drafter_config_from_target(tcfg, num_layers=layers, block_size=block_size, mask_token_id=mask_id,
                                       arch=arch, sliding_window=sliding_window,
                                       head_settings=dict(head(arch).small) if small else None)

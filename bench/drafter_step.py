@@ -50,6 +50,8 @@ def parse(argv=None):
     p = argparse.ArgumentParser(description="DFlash drafter train-step benchmark")
     C.add_shape_args(p)
     p.add_argument("--layers", type=int, help="drafter layers (default 5; 2 with --small)")
+    p.add_argument("--target", choices=C.TARGET_SHAPES, default="paper",
+                   help="target shapes: paper (Qwen3-8B) or smollm2 (SmolLM2-135M, the gpu recipe's)")
     p.add_argument("--arch", choices=HEAD_NAMES, default="dflash", help="drafter.arch (model/drafter/heads/architectures.py)")
     p.add_argument("--sliding-window", type=int, default=DEFAULTS.drafter.sliding_window,
                    help=f"drafter.sliding_window, non-causal (default {DEFAULTS.drafter.sliding_window}; 0 = full attention)")
@@ -228,7 +230,7 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
     from dflash_train.train.parallel.parallelize import parallelize
 
     S, N, rows = a.seq_len, a.anchors, a.batch
-    tcfg = C.target_config(a.small)
+    tcfg = C.target_config(a.small, shape=a.target)
     dcfg = C.drafter_config(tcfg, layers=a.layers, block_size=a.block_size, small=a.small, arch=a.arch,
                             sliding_window=a.sliding_window or None)
     drafter = C.random_drafter(dcfg, device)
