@@ -23,6 +23,8 @@ def test_tiny_recipe_runs_end_to_end_on_smollm2(tmp_path):
     assert proc.returncode == 0, output[-4000:]
     assert "dflash-train train: OK" in proc.stdout
     assert "regenerated and tapped" in output  # responses by the target, taps from the same pass
+    # kept packed, where data.taps_device=auto puts them, said in one line (train/feed/packed.py)
+    assert "data: stored taps: " in output and "in host memory (the step runs on the cpu)" in output
     config = json.loads((out / "drafter" / "config.json").read_text())
     assert config["architectures"] == ["DFlashDraftModel"] and config["num_target_layers"] == 30
     assert config["dflash_config"]["target_layer_ids"] == [1, 8, 14, 20, 27]  # z-lab ids for 30 layers
