@@ -3,7 +3,7 @@
 The regenerate + tap cache already holds each entry as one [T, width] tensor, the samples end to end
 (`data/regen_taps.TappedSamples`). Building a step from per-sample views costs the host three passes
 over the step's bytes (zeros, a Python loop of row copies, then the pinned copy for the transfer):
-~70 MB a step for the `gpu` recipe, 23-40 ms on a 2-core CPU against a ~44 ms step on an H100. Here
+~70 MB a step for the `gpu` recipe, ~20 ms on a quiet 2-core CPU against a ~44 ms step on an H100. Here
 the step is one index [b, S] into the packed tensors. Where they sit on the GPU (`data.taps_device`),
 the host never touches the step's bytes; in host memory, the gather writes straight into pinned
 memory, one pass.
