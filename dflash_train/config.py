@@ -296,10 +296,11 @@ class TrainConfig:
     """Consecutive non-finite steps (loss or gradient norm; each is skipped, not applied) that stop the run."""
     tensorboard: bool = True
     profile_steps: int = 0
-    """Profile this many steps with torch.profiler, after the first 3 of the process (compiles done), on the
-    main drafter rank: where a step's time goes (host ranges, kernels, an idle device). Those steps run slower
-    (the profiler's bookkeeping, a device synchronize at each end of the window, then seconds to write the
-    files; with train.max_minutes that time counts like any other) and train the same. Writes
+    """Profile this many steps with torch.profiler, after the first 3 of the process (compiles done; with
+    train.max_minutes still to decide the step count, after its rate measurement, step 30), on the main drafter
+    rank: where a step's time goes (host ranges, kernels, an idle device). Those steps run slower (the
+    profiler's bookkeeping, a device synchronize at each end of the window, then seconds to write the files;
+    with train.max_minutes that time counts like any other) and train the same. Writes
     <out_dir>/profile/: trace.json (chrome://tracing, Perfetto), summary.txt (top ops), summary.json; logs one
     line (train/watch/profile.py). 0: off."""
 

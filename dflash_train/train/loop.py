@@ -281,8 +281,9 @@ def _loop(p: Process, s: Setup, t: Training):
     compiled = s.kernels.compiled
     health = CompileHealthWatch(compiled, s.kernels.backend == "flex", progress.step, metrics.above_bar(p.log))
     timer, interval, last_sim = ComputeTimer(p.device), TokenInterval(), None
+    undecided = budget.seconds is not None and budget.steps is None  # train.max_minutes still to measure the rate
     profiler = StepProfiler(cfg.train.profile_steps if topo.is_main else 0, p.device, p.out_dir,
-                            metrics.above_bar(p.log))
+                            metrics.above_bar(p.log), budget_undecided=undecided)
     meta = {"config": cfg.to_dict(), "provenance": provenance(topo.world_size), "fingerprints": s.provenance.current}
     budget.start(progress.step, progress.seconds)  # a resumed run continues its time budget
     first_step = FirstStep(compiled, p.prewarm, metrics.above_bar(p.log))

@@ -22,6 +22,7 @@ import torch
 from torch.profiler import DeviceType, ProfilerActivity, profile, record_function
 
 from dflash_train import atomic
+from dflash_train.train.optim.optimizer import DECIDE_AFTER
 
 START_AFTER = 3  # loop passes of this process before the window: a compiled step's graphs are built by then
 TABLE_ROWS = 25
@@ -36,8 +37,12 @@ HOST_NOTE = ("host time in the loop's ranges: taps (receive, read or compute the
 class StepProfiler:
     """Call `before_step(n)` / `after_step(n)` around each pass of the loop and `close()` after it."""
 
-    def __init__(self, steps: int, device: torch.device, out_dir: str | Path, log, start_after: int = START_AFTER):
-        self.steps, self.device, self.log, self.start_after = steps, device, log, start_after
+    def __init__(self, steps: int, device: torch.device, out_dir: str | Path, log, start_after: int = START_AFTER,
+                 budget_undecided: bool = False):
+        # a time budget measures the step rate over this process's steps 11-30 (optim.TimeBudget): profiled steps
+        # there would make it plan fewer, so the window waits for its decision
+        self.start_after = max(start_after, DECIDE_AFTER) if budget_undecided else start_after
+        self.steps, self.device, self.log = steps, device, log
         self.dir = Path(out_dir) / "profile"
         self.cuda = device.type == "cuda"
         self.passes = 0  # loop passes of this process so far

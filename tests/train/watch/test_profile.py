@@ -130,6 +130,19 @@ def test_a_run_that_ends_early_writes_what_it_profiled_or_says_it_profiled_nothi
     assert json.loads((tmp_path / "cut" / "profile" / "summary.json").read_text())["steps"] == 2
 
 
+def test_with_a_time_budget_still_to_decide_the_window_waits_for_its_measurement(tmp_path):
+    """train.max_minutes measures the step rate over steps 11-30: profiled (slower) steps there would shorten
+    the run, so the window opens after the decision; a decided budget (a resume) does not wait."""
+    lines = []
+    _drive(StepProfiler(2, torch.device("cpu"), tmp_path / "waits", lines.append, budget_undecided=True), 30)
+    assert lines == ["profile: the run ended after 30 steps of this process, before the profile's window "
+                     "(it starts after 30): nothing written"]
+    lines.clear()
+    _drive(StepProfiler(2, torch.device("cpu"), tmp_path / "waits2", lines.append, budget_undecided=True), 40)
+    assert len(lines) == 1 and lines[0].startswith("profile: steps 31-32: ")
+    assert StepProfiler(2, torch.device("cpu"), tmp_path, print).start_after == profile_mod.START_AFTER
+
+
 def test_profiling_is_off_unless_asked_and_a_negative_count_is_a_config_error():
     assert RunConfig().train.profile_steps == 0
     assert all(recipe().train.profile_steps == 0 for recipe in recipes.RECIPES.values())
