@@ -67,8 +67,7 @@ def summarize(spec: Sequence[SpecResult], plain: Sequence[GenResult], block_size
         "speedup": spec_rate / plain_rate if plain_rate else 0.0,
         "spec_prefill_seconds": spec_pre,
         "target_prefill_seconds": plain_pre,
-        "cycle_plain_steps": ((spec_s - spec_pre) / stats["steps"]) / ((plain_s - plain_pre) / plain_steps)
-        if stats["steps"] and plain_s > plain_pre and plain_steps else 0.0,
+        "cycle_plain_steps": _cycle(spec_s - spec_pre, stats["steps"], plain_s - plain_pre, plain_steps) or 0.0,
         # Greedy spec decoding must reproduce the target; in bf16 a near-tie can flip one token.
         "identical_outputs": sum(1 for s, p in zip(spec, plain) if s.tokens == p.tokens),
         "cycle_outliers": cycle_outliers(spec, plain),
@@ -80,13 +79,17 @@ OUTLIER_FACTOR = 2.0
 it, was timed while something else held the machine: a cycle's cost depends on the machine, not on the prompt."""
 
 
-def prompt_cycle(spec: SpecResult, plain: GenResult) -> float | None:
-    """One prompt's draft+verify cycle in its own plain decode's steps, the prefills left out (None: no cycle)."""
-    steps, plain_steps = len(spec.accepted), len(plain.tokens) - 1
-    spec_s, plain_s = spec.seconds - spec.prefill_seconds, plain.seconds - plain.prefill_seconds
+def _cycle(spec_s: float, steps: int, plain_s: float, plain_steps: int) -> float | None:
+    """Seconds a draft+verify cycle over seconds a plain step, prefills already left out (None: no cycle)."""
     if steps <= 0 or plain_steps <= 0 or spec_s <= 0 or plain_s <= 0:
         return None
     return (spec_s / steps) / (plain_s / plain_steps)
+
+
+def prompt_cycle(spec: SpecResult, plain: GenResult) -> float | None:
+    """One prompt's draft+verify cycle in its own plain decode's steps, the prefills left out (None: no cycle)."""
+    return _cycle(spec.seconds - spec.prefill_seconds, len(spec.accepted), plain.seconds - plain.prefill_seconds,
+                  len(plain.tokens) - 1)
 
 
 def cycle_outliers(spec: Sequence[SpecResult], plain: Sequence[GenResult]) -> list[dict]:

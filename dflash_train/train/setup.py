@@ -27,9 +27,9 @@ from dflash_train.model.drafter.backbone import DFlashDrafter
 from dflash_train.model.target.target import norm_factor, resolve_mask_token_id
 from dflash_train.model.target.subset import TargetSubset
 from dflash_train.train.feed.batching import BatchPlan, MicroBatch, Sample, padded_length
-from dflash_train.train.feed.sources import CollateArgs
+from dflash_train.train.feed.sources import CollateArgs, Rows
 from dflash_train.train.feed.packed import PackedRows, place
-from dflash_train.train.feed.taps import FINAL_HIDDEN, StoredRows, TapsSpec
+from dflash_train.train.feed.taps import FINAL_HIDDEN, StoredRows, TapsSpec, pick_entries
 from dflash_train.train.parallel.parallelize import parallelize, resolve_backend, resolve_compile
 from dflash_train.train.parallel.topology import Topology
 from dflash_train.fp8 import FP8_ALIGN, resolve_precision
@@ -48,7 +48,7 @@ class Data:
 
     train: list[Sample]
     held_out: list[Sample]
-    stored: tuple[StoredRows | PackedRows, StoredRows | PackedRows] | None = None
+    stored: tuple[Rows, Rows] | None = None
 
 
 def load_data(cfg: RunConfig, topo: Topology, target, layer_ids, spec: TapsSpec, work_dir: Path, log,
@@ -334,11 +334,7 @@ def prepare_tapped(cfg: RunConfig, target, layer_ids, spec: TapsSpec, work_dir: 
     tapped, ((train, train_index), (held_out, held_out_index)) = prepare_tapped_samples(
         cfg.data, target, data_source_name(cfg, target), layer_ids, work_dir, cfg.train.seed, log, heartbeat,
         final_hidden=FINAL_HIDDEN in spec.names)
-    flat = tapped.packed()
-    missing = [name for name in spec.names if name not in flat]
-    if missing:
-        raise KeyError(f"the regenerate + tap cache lacks {missing}: loss.kind={cfg.loss.kind} reads them")
-    packed = PackedRows.of_lengths({name: flat[name] for name in spec.names}, [len(s) for s in tapped.samples])
+    packed = PackedRows.of_lengths(pick_entries(tapped.packed(), spec.names), [len(s) for s in tapped.samples])
     rows = packed.subset(train_index), packed.subset(held_out_index)
     return Data(train, held_out, place(rows, cfg.data.taps_device, target.device, log))
 

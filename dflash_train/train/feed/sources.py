@@ -28,9 +28,9 @@ from dflash_train.train.feed.balance import ComputeTimer
 from dflash_train.train.feed.batching import BatchPlan, MicroBatch, Sample, StepSampler, collate
 from dflash_train.train.feed.packed import PackedRows
 from dflash_train.train.feed.taps import StoredRows, TapsSpec, target_tensors
+from dflash_train.train.parallel.topology import Topology
 
 Rows = StoredRows | PackedRows  # per-sample stored tensors: fetched one by one (shards) or packed end to end
-from dflash_train.train.parallel.topology import Topology
 
 
 class TapsSource(Protocol):

@@ -91,11 +91,11 @@ class StoredRows:
 
     @classmethod
     def in_memory(cls, rows: list[dict[str, torch.Tensor]], spec_names: tuple[str, ...]) -> "StoredRows":
-        return cls(lambda i: _pick(rows[i], spec_names), len(rows))
+        return cls(lambda i: pick_entries(rows[i], spec_names), len(rows))
 
     @classmethod
     def from_shards(cls, reader, spec_names: tuple[str, ...], rows: list[int]) -> "StoredRows":
-        return cls(lambda i: _pick(reader.sample(rows[i]), spec_names), len(rows))
+        return cls(lambda i: pick_entries(reader.sample(rows[i]), spec_names), len(rows))
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return self.fetch(i)
@@ -108,7 +108,8 @@ class StoredRows:
         return self.count
 
 
-def _pick(sample: dict, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+def pick_entries(sample: dict, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """`sample`'s tensors `names`; a missing one is a KeyError that says how to get it."""
     missing = [n for n in names if n not in sample]
     if missing:
         raise KeyError(f"stored rows lack {missing}: {_missing_fix(missing)}")
