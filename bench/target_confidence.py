@@ -1,0 +1,89 @@
+"""How sure the target itself is of what it writes, per prompt set: does the target limit tau, or the drafter's data?
+
+For each prompt set (the eval's names: `assistant`, `chitchat`, `humaneval`, a JSONL path, ...) the target decodes
+greedily from each prompt, as the eval does, and at every new token records its own top-1 probability. A drafter
+only has to match that argmax, but where the target itself hesitates the choice rests on details a small drafter
+rarely learns, so a set the target writes with low confidence caps tau for any drafter. Given a run's
+`eval/report.json` (`--report`), each set's real tau and first-slot acceptance are printed beside its confidence.
+
+    python bench/target_confidence.py --sets assistant,chitchat,humaneval --report runs/gpu/eval/report.json
+    python bench/target_confidence.py --small      # 2 prompts, 8 tokens (seconds; the test)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import _common as C  # noqa: E402
+from dflash_train.eval.prompt_sets import load_prompt_sets  # noqa: E402
+from dflash_train.model.target.load import load_target  # noqa: E402
+
+LOW, HIGH = 0.5, 0.95  # top-1 probability bands reported
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--small", action="store_true", help="2 prompts of one set, 8 new tokens")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    p.add_argument("--target", default="smollm2", help="target.model: `smollm2`, an HF dir or a .gguf file")
+    p.add_argument("--sets", default="assistant,chitchat", help="eval.prompts: set names or JSONL paths")
+    p.add_argument("--num-prompts", type=int, default=24, help="prompts per set (the eval's default recipe: 24)")
+    p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt (the eval's max_new_tokens)")
+    p.add_argument("--report", help="a run's eval/report.json: its tau per set printed beside")
+    p.add_argument("--json", help="write the figures here")
+    return p.parse_args(argv)
+
+
+@torch.no_grad()
+def top1_probabilities(target, messages: list[dict], new_tokens: int) -> list[float]:
+    """The target's top-1 probability at each token of its greedy answer to `messages` (stops at end of turn)."""
+    tok = target.tokenizer
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = target.model.generate(ids["input_ids"].to(target.device), max_new_tokens=new_tokens, do_sample=False,
+                                output_scores=True, return_dict_in_generate=True, pad_token_id=tok.eos_token_id)
+    return [s[0].float().softmax(-1).max().item() for s in out.scores]
+
+
+def figures(probabilities: list[float]) -> dict:
+    p = torch.tensor(probabilities)
+    return {"tokens": len(p), "mean_top1": p.mean().item(), f"share_below_{LOW}": (p < LOW).float().mean().item(),
+            f"share_at_least_{HIGH}": (p >= HIGH).float().mean().item()}
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    b, device = C.start("target_confidence", a)
+    sets_spec, num, new = ("chitchat", 2, 8) if a.small else (a.sets, a.num_prompts, a.new_tokens)
+    report = json.loads(Path(a.report).read_text())["sets"] if a.report else {}
+    rows = {}
+    with b.phase("target and prompt sets"):
+        target = load_target(a.target, device=device)
+        sets = load_prompt_sets(sets_spec, num)
+    if not b.ok("target and prompt sets"):
+        return b.finish("no target or prompt sets", a.json)
+    for name, prompts in sets.items():
+        with b.phase(f"greedy answers of {name}"):
+            probabilities = [q for messages in prompts for q in top1_probabilities(target, messages, new)]
+            rows[name] = figures(probabilities)
+            b.figure(f"{name}_mean_top1", rows[name]["mean_top1"], f"{rows[name]['tokens']} tokens")
+            b.figure(f"{name}_share_below_{LOW}".replace(".", ""), rows[name][f"share_below_{LOW}"])
+    C.say(f"{'set':<16} {'tokens':>6} {'mean top-1':>10} {f'p<{LOW}':>7} {f'p>={HIGH}':>8} {'tau':>6} {'slot 0':>7}")
+    for name, row in rows.items():
+        real = report.get(name, {})
+        tau = f"{real['tau']:.3f}" if "tau" in real else "-"
+        slot0 = f"{real['per_position_acceptance'][0]:.2f}" if real.get("per_position_acceptance") else "-"
+        C.say(f"{name:<16} {row['tokens']:>6} {row['mean_top1']:>10.3f} {row[f'share_below_{LOW}']:>7.3f} "
+              f"{row[f'share_at_least_{HIGH}']:>8.3f} {tau:>6} {slot0:>7}")
+    verdict = ", ".join(f"{name} {row['mean_top1']:.3f}" for name, row in rows.items())
+    return b.finish(f"the target's mean top-1 probability on its own greedy answers: {verdict}", a.json)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
