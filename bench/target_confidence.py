@@ -1,7 +1,8 @@
 """How sure the target itself is of what it writes, per prompt set: does the target limit tau, or the drafter's data?
 
 For each prompt set (the eval's names: `assistant`, `chitchat`, `humaneval`, a JSONL path, ...) the target decodes
-greedily from each prompt, as the eval does, and at every new token records its own top-1 probability. A drafter
+greedily from each prompt through the eval's own plain decode (its chat rendering and stopping rule), then one forward
+over prompt + answer reads its own top-1 probability at every new token. A drafter
 only has to match that argmax, but where the target itself hesitates the choice rests on details a small drafter
 rarely learns, so a set the target writes with low confidence caps tau for any drafter. Given a run's
 `eval/report.json` (`--report`), each set's real tau and first-slot acceptance are printed beside its confidence.
@@ -22,7 +23,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import _common as C  # noqa: E402
+from dflash_train.eval.evaluate import encode_prompts, eos_token_ids  # noqa: E402
 from dflash_train.eval.prompt_sets import load_prompt_sets  # noqa: E402
+from dflash_train.eval.spec_decode import target_generate  # noqa: E402
 from dflash_train.model.target.load import load_target  # noqa: E402
 
 LOW, HIGH = 0.5, 0.95  # top-1 probability bands reported
@@ -42,13 +45,17 @@ def parse(argv=None):
 
 
 @torch.no_grad()
-def top1_probabilities(target, messages: list[dict], new_tokens: int) -> list[float]:
-    """The target's top-1 probability at each token of its greedy answer to `messages` (stops at end of turn)."""
-    tok = target.tokenizer
-    ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    out = target.model.generate(ids["input_ids"].to(target.device), max_new_tokens=new_tokens, do_sample=False,
-                                output_scores=True, return_dict_in_generate=True, pad_token_id=tok.eos_token_id)
-    return [s[0].float().softmax(-1).max().item() for s in out.scores]
+def top1_probabilities(target, prompt_ids: torch.Tensor, new_tokens: int, eos: set[int]) -> tuple[list[float], int]:
+    """The target's top-1 probability at each token of its greedy answer to `prompt_ids` [1, P], and how many of
+    those tokens the one forward's argmax agrees with: the eval's own plain decode (`target_generate`, its
+    stopping rule), then one forward over prompt + answer (the agreement checks that it read the right rows)."""
+    answer = target_generate(target.model, prompt_ids, new_tokens, eos).tokens
+    if not answer:
+        return [], 0
+    ids = torch.cat([prompt_ids, torch.tensor([answer], device=prompt_ids.device)], dim=1)  # [1, P + A]
+    probs = target.model(ids).logits[0, prompt_ids.shape[1] - 1:-1].float().softmax(-1)  # [A, V]: each token's choice
+    top1, choice = probs.max(-1)
+    return top1.tolist(), int((choice.cpu() == torch.tensor(answer)).sum())
 
 
 def figures(probabilities: list[float]) -> dict:
@@ -70,8 +77,13 @@ def main(argv=None) -> int:
         return b.finish("no target or prompt sets", a.json)
     for name, prompts in sets.items():
         with b.phase(f"greedy answers of {name}"):
-            probabilities = [q for messages in prompts for q in top1_probabilities(target, messages, new)]
+            eos = eos_token_ids(target.tokenizer, target.model)
+            encoded = encode_prompts(target.tokenizer, prompts, None, target.device)  # as the eval renders them
+            answers = [top1_probabilities(target, ids, new, eos) for ids in encoded]
+            probabilities = [q for top1, _ in answers for q in top1]
             rows[name] = figures(probabilities)
+            b.figure(f"{name}_argmax_agrees", sum(agree for _, agree in answers) / max(1, len(probabilities)),
+                     "share of answer tokens the re-read forward also picks (1.0 in float32; near-ties in bf16)")
             b.figure(f"{name}_mean_top1", rows[name]["mean_top1"], f"{rows[name]['tokens']} tokens")
             b.figure(f"{name}_share_below_{LOW}".replace(".", ""), rows[name][f"share_below_{LOW}"])
     C.say(f"{'set':<16} {'tokens':>6} {'mean top-1':>10} {f'p<{LOW}':>7} {f'p>={HIGH}':>8} {'tau':>6} {'slot 0':>7}")
