@@ -307,7 +307,10 @@ def _loop(p: Process, s: Setup, t: Training):
                                    t.states["scheduler"], interval.rate(p.device))
             _log_step(metrics, record | {"skipped_steps": t.states["health"].total, "tokens": progress.tokens})
         metrics.advance(1)
-        last_sim = _held_out_and_checkpoint(p, s, t, metrics, meta, step, last or stopping, last_sim)
+        last_sim = _held_out(p, t, metrics, step, last or stopping, last_sim)
+        if step % cfg.train.ckpt_every == 0 and not (last or stopping):
+            _revise_budget(p, t, metrics, step)  # before the checkpoint, which records it
+        _checkpoint(p, s, t, metrics, meta, step, last or stopping, last_sim)
         if stopping or (last and budget.steps is not None and step < s.total_steps):
             metrics.write(p.vote.message(step, p.topo.role, cfg.train.max_minutes))
         profiler.after_step(step)
@@ -352,28 +355,43 @@ def _decide_budget(p: Process, t: Training, metrics: MetricsLog, step: int) -> N
                       f"the measured rate (recorded; the lr's cosine ends there)")
 
 
-def _held_out_and_checkpoint(p: Process, s: Setup, t: Training, metrics: MetricsLog, meta: dict, step: int,
-                             final: bool, last_sim):
-    """On the main rank, when due (or `final`): held-out simulated tau, then a checkpoint. Returns the
-    latest held-out figures."""
-    cfg, progress = p.cfg, t.progress
-    if not p.topo.is_main:
+def _revise_budget(p: Process, t: Training, metrics: MetricsLog, step: int) -> None:
+    """train.max_minutes: every drafter rank re-decides the step count from the rate so far, the held-out
+    evals and checkpoints included (`TimeBudget.revise`), and records the smallest."""
+    revised = t.budget.revise(step)
+    if revised is None:
+        return
+    before, after = t.budget.steps, _agree_min(revised, t.ctx)
+    t.budget.record(after)
+    if after != before:
+        metrics.set_total(after)
+        metrics.write(f"step {step}: train.max_minutes={p.cfg.train.max_minutes} allows {after} steps, not {before}, "
+                      f"at the rate so far with its held-out evals and checkpoints (recorded; the cosine ends there)")
+
+
+def _held_out(p: Process, t: Training, metrics: MetricsLog, step: int, final: bool, last_sim):
+    """On the main rank, when due (or `final`): held-out simulated tau. Returns the latest figures."""
+    if not p.topo.is_main or not (step % p.cfg.train.eval_every == 0 or final):
         return last_sim
-    evaluated = step % cfg.train.eval_every == 0 or final
-    if evaluated:
-        with p.watchdog.stage("held-out simulated tau"):
-            last_sim = simulated_tau(t.drafter, t.held_out, t.ctx)
-        metrics.log({"step": step, "seconds": round(t.budget.elapsed(), 1), "eval": last_sim})
-        metrics.write(f"step {step}: held-out simulated tau {last_sim['sim_tau']:.3f}, "
-                      f"acc {fmt_values(last_sim['acc'])}")
-    if step % cfg.train.ckpt_every == 0 or final:
-        with p.watchdog.stage("checkpoint"), p.watch.holding():
-            progress.seconds = t.budget.elapsed()
-            # only a figure measured on these weights may make this checkpoint `best`
-            sim_tau = last_sim["sim_tau"] if evaluated else None
-            path = s.checkpointer.save(step, t.weights, t.states, meta, sim_tau=sim_tau)
-        metrics.write(f"step {step}: checkpoint {path}")
+    with p.watchdog.stage("held-out simulated tau"):
+        last_sim = simulated_tau(t.drafter, t.held_out, t.ctx)
+    metrics.log({"step": step, "seconds": round(t.budget.elapsed(), 1), "eval": last_sim})
+    metrics.write(f"step {step}: held-out simulated tau {last_sim['sim_tau']:.3f}, acc {fmt_values(last_sim['acc'])}")
     return last_sim
+
+
+def _checkpoint(p: Process, s: Setup, t: Training, metrics: MetricsLog, meta: dict, step: int, final: bool,
+                last_sim) -> None:
+    """On the main rank, when due (or `final`): a checkpoint, `best` only by a figure measured on these weights."""
+    cfg, progress = p.cfg, t.progress
+    if not p.topo.is_main or not (step % cfg.train.ckpt_every == 0 or final):
+        return
+    evaluated = step % cfg.train.eval_every == 0 or final
+    with p.watchdog.stage("checkpoint"), p.watch.holding():
+        progress.seconds = t.budget.elapsed()
+        sim_tau = last_sim["sim_tau"] if evaluated else None
+        path = s.checkpointer.save(step, t.weights, t.states, meta, sim_tau=sim_tau)
+    metrics.write(f"step {step}: checkpoint {path}")
 
 
 def _check_finite(guard: BadStepGuard, s: Setup) -> None:

@@ -97,6 +97,64 @@ def test_a_resumed_budget_keeps_its_decision_and_its_spent_seconds(monkeypatch):
     assert same.propose(101) is None  # decided: no new measurement
 
 
+def _budgeted_run(clock: FakeClock, budget: TimeBudget, revise: bool, eval_every: int = 50, eval_s: float = 5.0
+                  ) -> tuple[int, int, int]:
+    """The loop's order with a fake clock: 1 s steps, a held-out eval of `eval_s` every `eval_every`
+    steps, then the revision (before the checkpoint). Returns (first decision, last plan, steps run)."""
+    budget.start(step=0)
+    step, first = 0, None
+    while budget.steps is None or step < budget.steps:
+        step += 1
+        clock.now += 1.0
+        decided = budget.propose(step)
+        if decided is not None:
+            budget.record(decided)
+            first = decided
+        if budget.spent():
+            break
+        if step % eval_every == 0:
+            clock.now += eval_s
+            revised = budget.revise(step) if revise else None
+            if revised is not None:
+                budget.record(revised)
+    return first, budget.steps, step
+
+
+def test_a_revised_budget_ends_its_cosine_where_the_clock_ends_the_run(monkeypatch):
+    """Steps 11-30 hold no held-out eval, so the decision at step 30 plans more steps than the clock
+    allows and the cosine is cut (the `gpu` recipe on an H100: 4,552 of 5,255): the revisions at the
+    evals bring the plan down to the steps the budget really holds, at or just before the clock's end."""
+    clock = FakeClock()
+    monkeypatch.setattr("dflash_train.train.optim.optimizer.time.perf_counter", clock)
+    first, plan, ran = _budgeted_run(clock, TimeBudget(200 / 60, total_steps=10_000), revise=False)
+    assert first == plan == 200 and ran == 186  # 15 s of evals: the clock stopped it at 93 % of its cosine
+    first, plan, ran = _budgeted_run(clock, TimeBudget(200 / 60, total_steps=10_000), revise=True)
+    assert first == 200 and ran == plan and 0.95 * 186 <= plan <= 186  # the cosine ran its whole length
+
+
+def test_a_budget_revises_only_after_its_decision_and_never_below_the_next_step(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr("dflash_train.train.optim.optimizer.time.perf_counter", clock)
+    assert TimeBudget(None, total_steps=10).revise(50) is None
+    budget = TimeBudget(1.0, total_steps=1000)
+    budget.start(step=0)
+    for step in range(1, DECIDE_AFTER + 1):
+        clock.now += 1.0
+        assert budget.revise(step) is None  # nothing decided yet
+        decided = budget.propose(step)
+    budget.record(decided)
+    clock.now += 100.0  # out of time
+    assert budget.revise(DECIDE_AFTER + 1) == DECIDE_AFTER + 2
+    resumed = TimeBudget(1.0, total_steps=1000)
+    resumed.load_state_dict(budget.state_dict())
+    resumed.start(step=500, already_spent_s=30.0)
+    assert resumed.revise(505) is None  # the resumed process has not measured its rate yet
+    for step in range(501, 541):
+        clock.now += 0.5
+        resumed.propose(step)
+    assert resumed.revise(540) == 540 + 20  # 0.5 s per step since step 510; 30 + 20 s spent, 10 s left
+
+
 # --- MasterWeightAdamW: bf16 parameters, float32 masters -----------------------------------------
 
 def _float32_module(seed: int = 0) -> torch.nn.Module:
