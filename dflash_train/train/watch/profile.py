@@ -5,8 +5,8 @@ behind), `StepProfiler` runs torch.profiler (CPU, plus CUDA on a GPU; no shapes,
 `train.profile_steps` passes of the loop, each a `step N` range holding a `taps` range (receiving, reading
 or computing the step's taps) and a `train_step` range (forward, backward, optimizer). Then it writes
 `<out_dir>/profile/`: `trace.json` (chrome://tracing or ui.perfetto.dev), `summary.txt` (torch's op table,
-25 rows by self device time, by self CPU time on a CPU) and `summary.json` (the figures of `_figures`),
-and logs one line. It only observes: the step's numbers are unchanged (the device is synchronized at both
+25 rows by self device time, by self CPU time on a CPU) and `summary.json` (the figures of `_figures`, the
+host's top ops among them), and logs one line, which says when the device idles waiting for the host. It only observes: the step's numbers are unchanged (the device is synchronized at both
 ends of the window, for the wall clock). A failure of its own is said in one line and the run goes on
 without it. Only the main drafter rank profiles (train/loop.py).
 """
@@ -144,17 +144,24 @@ def _figures(events, averages, steps: int, first: int, last: int, wall_s: float,
         device = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation
                   and e.name not in ranges]
         busy_ms = _ms_per_step(_union_us([(e.time_range.start, e.time_range.end) for e in device]), steps)
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
     ops = [a for a in averages if a.device_type == DeviceType.CPU
            and not getattr(a, "is_user_annotation", False) and not a.key.startswith(OPTIMIZER)]
-    ops = sorted(ops, key=lambda a: getattr(a, key), reverse=True)[:TOP_OPS]
     return {"steps": steps, "first_step": first, "last_step": last, "device": "cuda" if cuda else "cpu",
             "wall_ms_per_step": round(wall_ms, 3), "device_busy_ms_per_step": busy_ms,
             "device_idle_share": None if busy_ms is None else round(max(0.0, 1.0 - busy_ms / wall_ms), 4),
+            "device_ops_per_step": None if busy_ms is None else round(len(device) / steps, 1),
             "host_ms_per_step": host, "host_note": HOST_NOTE,
             "top_ops_by": "self device time" if cuda else "self CPU time",
-            "top_ops": [{"name": a.key, "ms_per_step": _ms_per_step(getattr(a, key), steps),
-                         "calls_per_step": a.count / steps} for a in ops]}
+            "top_ops": _top(ops, "self_device_time_total" if cuda else "self_cpu_time_total", steps),
+            # where the host's time goes, on a GPU too: a step whose device idles waits for these
+            "top_host_ops": _top(ops, "self_cpu_time_total", steps)}
+
+
+def _top(ops: list, key: str, steps: int) -> list[dict]:
+    """The TOP_OPS ops costing most by `key`, per step."""
+    ops = sorted(ops, key=lambda a: getattr(a, key), reverse=True)[:TOP_OPS]
+    return [{"name": a.key, "ms_per_step": _ms_per_step(getattr(a, key), steps), "calls_per_step": a.count / steps}
+            for a in ops]
 
 
 def _host_us(events) -> dict:
@@ -189,13 +196,22 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+HOST_BOUND_IDLE = 0.5  # a device idle for more than this share of the wall waits for the host's dispatch
+
+
 def _line(f: dict, table: Path) -> str:
     busy = ("n/a (CPU)" if f["device_busy_ms_per_step"] is None
-            else f"{f['device_busy_ms_per_step']:.1f} ms ({1 - f['device_idle_share']:.0%})")
+            else f"{f['device_busy_ms_per_step']:.1f} ms ({1 - f['device_idle_share']:.0%}; "
+                 f"{f['device_ops_per_step']:.0f} kernels and copies)")
     host = ", ".join(f"{name} {_ms(ms)}" for name, ms in f["host_ms_per_step"].items())
     top = ", ".join(f"{op['name'][:48]} {_ms(op['ms_per_step'])} ms" for op in f["top_ops"][:3])
+    bound = ""
+    if f["device_idle_share"] is not None and f["device_idle_share"] > HOST_BOUND_IDLE:
+        host_top = ", ".join(f"{op['name'][:32]} x{op['calls_per_step']:.0f}" for op in f["top_host_ops"][:3])
+        bound = (f"; host-bound: the device idles {f['device_idle_share']:.0%} of the step waiting for the host "
+                 f"(its top ops: {host_top}); more rows per step amortise the dispatch")
     return (f"profile: steps {f['first_step']}-{f['last_step']}: {f['wall_ms_per_step']:.1f} ms/step wall, device busy "
-            f"{busy}, host ms/step {host}; top ({f['top_ops_by']}): {top}; {table}")
+            f"{busy}, host ms/step {host}; top ({f['top_ops_by']}): {top}{bound}; {table}")
 
 
 def _ms(ms: float) -> str:

@@ -52,6 +52,7 @@ def test_the_profiled_steps_are_written_as_a_trace_and_two_summaries(profiled_ru
     costs = [op["ms_per_step"] for op in summary["top_ops"]]
     assert len(costs) == profile_mod.TOP_OPS and costs == sorted(costs, reverse=True) and costs[0] > 0
     assert not {op["name"] for op in summary["top_ops"]} & {"step 4", "taps", "train_step"}  # ops, not ranges
+    assert summary["top_host_ops"] == summary["top_ops"] and summary["device_ops_per_step"] is None  # CPU: the same
     trace = json.loads((out / "profile" / "trace.json").read_text())
     names = {event.get("name") for event in trace["traceEvents"]}
     assert {"step 4", "step 5", "taps", "train_step"} <= names and "step 6" not in names
@@ -153,3 +154,20 @@ def test_profiling_is_off_unless_asked_and_a_negative_count_is_a_config_error():
 def test_the_union_of_device_intervals_counts_overlaps_once():
     assert profile_mod._union_us([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17
     assert profile_mod._union_us([]) == 0
+
+
+def _figures(idle: float) -> dict:
+    host_ops = [{"name": "aten::copy_", "ms_per_step": 4.0, "calls_per_step": 470.0},
+                {"name": "aten::mm", "ms_per_step": 3.0, "calls_per_step": 179.0}]
+    return {"first_step": 31, "last_step": 40, "wall_ms_per_step": 56.9, "device_busy_ms_per_step": 56.9 * (1 - idle),
+            "device_idle_share": idle, "device_ops_per_step": 1900.0, "host_ms_per_step": {"taps": 7.4},
+            "top_ops_by": "self device time", "top_ops": host_ops[1:], "top_host_ops": host_ops}
+
+
+def test_the_line_says_host_bound_when_the_device_idles_most_of_the_step(tmp_path):
+    """The H100 profile of the `gpu` recipe (docs/PERF.md 8): the device busy 39 % of the step."""
+    bound = profile_mod._line(_figures(0.61), tmp_path / "summary.txt")
+    assert "device busy 22.2 ms (39%; 1900 kernels and copies)" in bound
+    assert "host-bound: the device idles 61% of the step" in bound and "aten::copy_ x470" in bound
+    assert "host-bound" not in profile_mod._line(_figures(0.2), tmp_path / "summary.txt")
+
