@@ -71,6 +71,8 @@ def summarize(spec: Sequence[SpecResult], plain: Sequence[GenResult], block_size
         # Greedy spec decoding must reproduce the target; in bf16 a near-tie can flip one token.
         "identical_outputs": sum(1 for s, p in zip(spec, plain) if s.tokens == p.tokens),
         "cycle_outliers": cycle_outliers(spec, plain),
+        # per prompt [tokens the verify steps emitted, steps]: what `eval/compare.py` pairs between two reports
+        "per_prompt": [[sum(a + 1 for a in r.accepted), len(r.accepted)] for r in spec],
     }
 
 

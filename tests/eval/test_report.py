@@ -42,6 +42,8 @@ def test_summarize_pools_steps_and_times():
     assert s["cycle_plain_steps"] == pytest.approx((3.0 / 6) / (9.0 / 28))
     assert s["spec_prefill_seconds"] == pytest.approx(2.0) and s["target_prefill_seconds"] == pytest.approx(1.0)
     assert s["num_prompts"] == 2 and s["identical_outputs"] == 1
+    assert s["per_prompt"] == [[10, 3], [8, 3]]  # emitted, steps: pooled, they give the set's tau
+    assert sum(e for e, _ in s["per_prompt"]) / sum(n for _, n in s["per_prompt"]) == pytest.approx(s["tau"])
 
 
 def test_plots_and_table(tmp_path):
