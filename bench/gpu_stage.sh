@@ -14,7 +14,7 @@
 # the arm's report (issue 38: ours >= peer + 0.2 on every set), each in a call of its own; `peerall NAME` does both in
 # one call and builds the data itself where no arm ran yet (an arm run after it reuses them: $R/runs/NAME/data -> $R/data).
 # Each arm samples the GPU's utilisation every 0.5 s into $OUT/NAME.util.csv (is the step waiting on the host?).
-# Steps: part0 | install | census | tests | py SCRIPT [args] (a bench script, its log and JSON under $OUT) | arm NAME [overrides...] | curve POINTS [overrides...] | peer NAME | peereval NAME | peerall NAME
+# Steps: part0 | install | census | tests | py SCRIPT [args] (a bench script, its log and JSON under $OUT, named $TAG if set) | arm NAME [overrides...] | curve POINTS [overrides...] | peer NAME | peereval NAME | peerall NAME
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 R=/tmp/run; P=/tmp/parts; mkdir -p $R $P $R/data
@@ -32,7 +32,7 @@ case "$1" in
   census)
     site; log "census"; timeout 240 python3 bench/decode_census.py --device cuda --json $OUT/census.json 2>&1 | tail -80 > $OUT/census.log; log "census rc=$?" ;;
   py)
-    site; script=$2; shift 2; n=$(basename $script .py); log "py $script $*"
+    site; script=$2; shift 2; n=${TAG:-$(basename $script .py)}; log "py $script $* (as $n)"
     timeout 240 python3 $script --json $OUT/$n.json "$@" > $OUT/$n.log 2>&1; log "py $n rc=$?"; tail -8 $OUT/$n.log | tee -a $OUT/stage.log >/dev/null ;;
   tests)
     site; log "gpu tests"; timeout 200 python3 -m pytest -q -x tests/train/optim/test_muon_symmetric.py tests/data/test_graph_decode.py tests/eval/test_static_decode.py 2>&1 | tail -15 | tee -a $OUT/stage.log ;;

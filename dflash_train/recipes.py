@@ -73,6 +73,12 @@ def gpu() -> RunConfig:
     2.436, outside chit-chat 2.994 vs 3.026 (3,372 and 3,721 steps). Code was the one domain with no training
     data; the 3,000 requests it took came from the assistant, chit-chat and self-written shares.
 
+    The Markov head (docs/LOG.md, session 26; one H100, three runs back to back on the same data, 3.5 training
+    minutes, 24 prompts per set): `drafter.markov_head_type=gated` against this vanilla head drafted +0.04..+0.12 more
+    on all six sets (2.837 vs 2.755 over the 144 prompts) with 4 % more steps and a lower held-out simulated tau (one
+    seed); `rnn` drafted less on four sets. vLLM builds only the vanilla head, so the recipe keeps it; on SGLang
+    `gated` may be worth its override.
+
     Block 8 (docs/LOG.md, session 18; one run on an H100 against session 17's block 4 on an H200, equal data
     and 3.5 training minutes, 24 prompts per set): real tau assistant 2.055 vs 2.075, chit-chat 3.926 vs 3.284,
     HumanEval 1.836 vs 1.917, self-written 2.996 vs 2.755, outside requests 2.376 vs 2.381, outside chit-chat
