@@ -301,7 +301,7 @@ class TrainConfig:
     rank: where a step's time goes (host ranges, kernels, an idle device). Those steps run slower (the
     profiler's bookkeeping, a device synchronize at each end of the window, then seconds to write the files;
     with train.max_minutes that time counts like any other) and train the same. Writes
-    <out_dir>/profile/: trace.json (chrome://tracing, Perfetto), summary.txt (top ops), summary.json; logs one
+    <out_dir>/profile/: trace.json.gz (Perfetto, chrome://tracing), summary.txt (top ops), summary.json; logs one
     line (train/watch/profile.py). 0: off."""
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.profiler import record_function
 
 from dflash_train.data.anchors import block_inputs, drafted_targets, position_ids
 from dflash_train.model.drafter.attention import MaskSpec, PersistentMasks, build_training_masks
@@ -110,8 +111,10 @@ def autocast(ctx: StepContext):
 def forward_stats(model, batch: dict, ctx: StepContext, progress: float = 1.0) -> LossStats:
     """Drafter forward + loss sums for one micro-batch already on the device; `progress` is the share of
     the training schedule done before this step (a head's own loss term may follow it; 1: none left)."""
-    with autocast(ctx):
-        hidden = drafter_hidden(model, batch, ctx)
+    # the ranges cost ~2 us each without a profiler; with `train.profile_steps` they split the step's host time
+    with autocast(ctx), record_function("forward"):
+        with record_function("drafter_forward"):
+            hidden = drafter_hidden(model, batch, ctx)
         labels, valid, prev = batch_targets(batch, ctx)
         rows = (ctx.head.drafted_rows(hidden, ctx.block_size) if ctx.head is not None
                 else drafted_rows(hidden, ctx.block_size))  # [b, N, D, H]; no head given: DFlash's slots
@@ -158,7 +161,8 @@ def train_step(model, optimizer, scheduler, mbs: list[MicroBatch], ctx: StepCont
         with sync:
             stats = forward_stats(model, to_device(mb, ctx.device), ctx, progress)
             # DDP averages the ranks' gradients: x D makes it their sum
-            (stats.loss_sum * ctx.num_drafters if ddp else stats.loss_sum).backward()
+            with record_function("backward"):
+                (stats.loss_sum * ctx.num_drafters if ddp else stats.loss_sum).backward()
         if grads32 is not None:
             grads32.add(first=i == 0)
         losses.append(stats.loss_sum.detach().float().reshape(()))

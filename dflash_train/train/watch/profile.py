@@ -4,7 +4,7 @@ After `START_AFTER` steps of this process (the compile, the prewarm's wait and t
 behind), `StepProfiler` runs torch.profiler (CPU, plus CUDA on a GPU; no shapes, no stacks) over
 `train.profile_steps` passes of the loop, each a `step N` range holding a `taps` range (receiving, reading
 or computing the step's taps) and a `train_step` range (forward, backward, optimizer). Then it writes
-`<out_dir>/profile/`: `trace.json` (chrome://tracing or ui.perfetto.dev), `summary.txt` (torch's op table,
+`<out_dir>/profile/`: `trace.json.gz` (ui.perfetto.dev or chrome://tracing), `summary.txt` (torch's op table,
 25 rows by self device time, by self CPU time on a CPU) and `summary.json` (the figures of `_figures`, the
 host's top ops among them), and logs one line, which says when the device idles waiting for the host. It only observes: the step's numbers are unchanged (the device is synchronized at both
 ends of the window, for the wall clock). A failure of its own is said in one line and the run goes on
@@ -14,7 +14,9 @@ without it. Only the main drafter rank profiles (train/loop.py).
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
+import shutil
 import time
 from pathlib import Path
 
@@ -24,14 +26,17 @@ from torch.profiler import DeviceType, ProfilerActivity, profile, record_functio
 from dflash_train import atomic
 from dflash_train.train.optim.optimizer import DECIDE_AFTER
 
+TRACE = "trace.json.gz"  # gzipped (Perfetto and chrome://tracing read it): ten GPU steps' JSON ran to ~100 MB
 START_AFTER = 3  # loop passes of this process before the window: a compiled step's graphs are built by then
 TABLE_ROWS = 25
 TOP_OPS = 10
 PHASES = ("taps", "train_step")  # ranges the loop opens inside a step (`StepProfiler.phase`)
+STEP_RANGES = ("forward", "drafter_forward", "backward")  # ranges train/step.py opens inside train_step
 OPTIMIZER = "Optimizer.step#"  # torch.optim's own range around every optimizer's step
 HOST_NOTE = ("host time in the loop's ranges: taps (receive, read or compute the step's taps), train_step (forward, "
-             "backward, optimizer), optimizer (torch.optim's steps, inside train_step), rest_of_loop (wall - taps - "
-             "train_step: stop votes, logging, a held-out eval or checkpoint that fell due)")
+             "backward, optimizer), inside it forward (the drafter's forward, drafter_forward, then the loss's "
+             "forward), backward and optimizer (torch.optim's steps), rest_of_loop (wall - taps - train_step: stop "
+             "votes, logging, a held-out eval or checkpoint that fell due)")
 
 
 class StepProfiler:
@@ -101,7 +106,7 @@ class StepProfiler:
         averages, steps = prof.key_averages(), self.last - self.first + 1
         figures = _figures(prof.events(), averages, steps, self.first, self.last, wall_s, self.cuda)
         sort_by = "self_device_time_total" if self.cuda else "self_cpu_time_total"
-        atomic.write_with(self.dir / "trace.json", lambda tmp: prof.export_chrome_trace(str(tmp)))
+        atomic.write_with(self.dir / TRACE, lambda tmp: _gzipped_trace(prof, Path(tmp)))
         atomic.write_text(self.dir / "summary.txt", averages.table(sort_by=sort_by, row_limit=TABLE_ROWS))
         atomic.write_text(self.dir / "summary.json", json.dumps(figures, indent=2) + "\n")
         self.log(_line(figures, self.dir / "summary.txt"))
@@ -130,6 +135,17 @@ class StepProfiler:
                     prof.stop()
             first_line = (str(e).splitlines() or [""])[0]
             self.log(f"profile: failed while {doing} ({type(e).__name__}: {first_line}); training goes on without it")
+
+
+def _gzipped_trace(prof, path: Path) -> None:
+    """torch's Chrome trace, written beside `path` and gzipped into it."""
+    raw = path.with_name(path.name + ".json")
+    try:
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as src, gzip.open(path, "wb", compresslevel=6) as dst:
+            shutil.copyfileobj(src, dst)
+    finally:
+        raw.unlink(missing_ok=True)
 
 
 def _figures(events, averages, steps: int, first: int, last: int, wall_s: float, cuda: bool) -> dict:
@@ -168,7 +184,7 @@ def _host_us(events) -> dict:
     """Host microseconds in each of the loop's ranges and in torch.optim's steps (the outermost, where
     one optimizer steps others)."""
     cpu = [e for e in events if e.device_type == DeviceType.CPU]
-    spent = {name: sum(e.time_range.elapsed_us() for e in cpu if e.name == name) for name in PHASES}
+    spent = {name: sum(e.time_range.elapsed_us() for e in cpu if e.name == name) for name in PHASES + STEP_RANGES}
     spent["optimizer"] = sum(e.time_range.elapsed_us() for e in cpu
                              if e.name.startswith(OPTIMIZER) and not _inside_optimizer(e.cpu_parent))
     return spent

@@ -3,6 +3,7 @@ profiled steps writes the trace and both summaries, logs one line, and trains ex
 unprofiled run; the profiler's own failures are one line each and never stop the loop."""
 
 import contextlib
+import gzip
 import io
 import json
 import signal
@@ -48,12 +49,14 @@ def test_the_profiled_steps_are_written_as_a_trace_and_two_summaries(profiled_ru
     assert summary["device_busy_ms_per_step"] is None and summary["device_idle_share"] is None
     host = summary["host_ms_per_step"]
     assert host["taps"] > 0 and host["train_step"] > host["optimizer"] > 0  # the optimizer runs inside the step
+    assert host["forward"] > host["drafter_forward"] > 0 and host["backward"] > 0  # train/step.py's ranges
+    assert host["forward"] + host["backward"] + host["optimizer"] <= host["train_step"] * 1.01
     assert host["taps"] + host["train_step"] <= summary["wall_ms_per_step"] * 1.01
     costs = [op["ms_per_step"] for op in summary["top_ops"]]
     assert len(costs) == profile_mod.TOP_OPS and costs == sorted(costs, reverse=True) and costs[0] > 0
     assert not {op["name"] for op in summary["top_ops"]} & {"step 4", "taps", "train_step"}  # ops, not ranges
     assert summary["top_host_ops"] == summary["top_ops"] and summary["device_ops_per_step"] is None  # CPU: the same
-    trace = json.loads((out / "profile" / "trace.json").read_text())
+    trace = json.loads(gzip.decompress((out / "profile" / "trace.json.gz").read_bytes()))
     names = {event.get("name") for event in trace["traceEvents"]}
     assert {"step 4", "step 5", "taps", "train_step"} <= names and "step 6" not in names
     assert "Self CPU" in (out / "profile" / "summary.txt").read_text()
