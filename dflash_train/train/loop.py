@@ -365,6 +365,7 @@ def _revise_budget(p: Process, t: Training, metrics: MetricsLog, step: int) -> N
     t.budget.record(after)
     if after != before:
         metrics.set_total(after)
+    if abs(after - before) >= max(1, before // 100):  # said when it moves by 1 % or more (a checkpoint can be 20 steps)
         metrics.write(f"step {step}: train.max_minutes={p.cfg.train.max_minutes} allows {after} steps, not {before}, "
                       f"at the rate so far with its held-out evals and checkpoints (recorded; the cosine ends there)")
 
