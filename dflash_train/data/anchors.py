@@ -30,7 +30,12 @@ def eligible_anchors(loss_mask: torch.Tensor) -> torch.Tensor:
 def sample_anchors(loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sorted anchors [N] (int64) and keep [N] (bool) for one sequence; padding is anchor 0."""
-    candidates = eligible_anchors(loss_mask.cpu())
+    return draw_anchors(eligible_anchors(loss_mask.cpu()), num_anchors, generator)
+
+
+def draw_anchors(candidates: torch.Tensor, num_anchors: int, generator: torch.Generator
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`sample_anchors` from a sequence's eligible positions [n] (sorted, int64) already found."""
     count = min(num_anchors, candidates.numel())
     chosen = candidates[torch.randperm(candidates.numel(), generator=generator)[:count]].sort().values
     anchors = torch.zeros(num_anchors, dtype=torch.long)

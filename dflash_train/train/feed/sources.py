@@ -54,9 +54,10 @@ class TapsSource(Protocol):
 class CollateArgs:
     def __init__(self, seed: int, num_anchors: int, pad_multiple: int, max_len: int):
         self.seed, self.num_anchors, self.pad_multiple, self.max_len = seed, num_anchors, pad_multiple, max_len
+        self.cache: dict = {}  # batching.SampleTensors of each sample, built as the epochs first reach it
 
     def __call__(self, samples: list[Sample], epoch: int) -> MicroBatch:
-        return collate(samples, epoch, self.seed, self.num_anchors, self.pad_multiple, self.max_len)
+        return collate(samples, epoch, self.seed, self.num_anchors, self.pad_multiple, self.max_len, self.cache)
 
 
 @dataclass(frozen=True)
