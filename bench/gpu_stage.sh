@@ -43,7 +43,8 @@ case "$1" in
     smi=$!
     python3 -m dflash_train train --recipe gpu train.out_dir=$R/runs/$name eval.num_prompts=24 $SETS "$@" > $OUT/$name.log 2>&1
     rc=$?; kill $smi; log "arm $name rc=$rc"; tail -40 $OUT/$name.log | tee -a $OUT/stage.log >/dev/null
-    cp $R/runs/$name/eval/report.json $OUT/$name.report.json 2>/dev/null ;;
+    cp $R/runs/$name/eval/report.json $OUT/$name.report.json 2>/dev/null
+    [ -d $R/runs/$name/profile ] && cp -r $R/runs/$name/profile $OUT/${name}_profile ;;  # train.profile_steps: summaries, trace.json.gz
   peer|peereval|peerall)
     site; step=$1; name=$2; shift 2; S=/tmp/peersite
     mkdir -p $R/runs/$name; [ -e $R/runs/$name/data ] || ln -s $R/data $R/runs/$name/data
