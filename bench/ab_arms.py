@@ -11,7 +11,9 @@ processes (one training job each: the GPU is shared, so compare steps, not secon
 `train.max_steps` equal for all and `train.max_minutes=none`; each arm ends with its own real
 speculative-decoding eval. A deadline kills what is left and says so. Prints one line per arm and
 writes summary.json: steps, held-out simulated tau, and per prompt set real tau, speedup,
-per-position acceptance and outputs identical to plain greedy.
+per-position acceptance and outputs identical to plain greedy. Then each arm's eval against the first
+arm's, prompt by prompt (dflash_train/eval/compare.py): per set the difference, its paired 95 % interval and
+a verdict, printed and written to comparisons.json.
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dflash_train.eval.compare import compare, table  # noqa: E402
 
 
 def parse(argv=None):
@@ -94,6 +100,20 @@ def summary_of(out: Path, name: str, rc, seconds: float) -> dict:
     return row
 
 
+def against_first(out: Path, names: list[str]) -> list[dict]:
+    """Each arm's eval report against the first arm's, prompt by prompt; arms without a report are left out."""
+    base = out / names[0] / "eval" / "report.json"
+    if not base.exists():
+        return []
+    first, rows = json.loads(base.read_text()), []
+    for name in names[1:]:
+        report = out / name / "eval" / "report.json"
+        if report.exists():
+            rows.append({"arm": name, "against": names[0], "sets": compare(first, json.loads(report.read_text()))})
+            print(f"ab: {name} against {names[0]}:\n{table(rows[-1]['sets'])}", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     a = parse(argv)
     out = Path(a.out)
@@ -119,6 +139,7 @@ def main(argv=None) -> int:
                 print("ab: " + json.dumps(rows[-1]), flush=True)
                 del running[name]
         (out / "summary.json").write_text(json.dumps(rows, indent=1))
+    (out / "comparisons.json").write_text(json.dumps(against_first(out, [name for name, _ in arms]), indent=1))
     failed = [r["arm"] for r in rows if r["rc"] != 0]
     print(f"ab: {'OK' if not failed else 'FAILED: ' + ', '.join(failed)} ({len(rows)} arms, "
           f"{time.time() - t0:.0f} s)", flush=True)

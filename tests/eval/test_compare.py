@@ -90,3 +90,16 @@ def test_the_bench_prints_the_table_and_a_verdict(tmp_path):
     bad = subprocess.run([sys.executable, "bench/compare_reports.py", str(paths[0]), str(tmp_path / "missing.json")],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "missing.json" in bad.stdout
+
+
+def test_ab_arms_compares_each_arm_with_the_first_prompt_by_prompt(tmp_path, capsys):
+    from bench.ab_arms import against_first
+
+    base = [[20 + (i % 5), 10] for i in range(24)]
+    for name, pp in (("base", base), ("better", [[e + 4, n] for e, n in base])):
+        (tmp_path / name / "eval").mkdir(parents=True)
+        (tmp_path / name / "eval" / "report.json").write_text(json.dumps(_report({"chat": pp})))
+    rows = against_first(tmp_path, ["base", "better", "crashed"])  # an arm without a report is left out
+    assert [(r["arm"], r["against"]) for r in rows] == [("better", "base")]
+    assert verdict(rows[0]["sets"][0]) == "B ahead" and "ab: better against base:" in capsys.readouterr().out
+    assert against_first(tmp_path, ["crashed", "base"]) == []  # no baseline report: nothing to compare
