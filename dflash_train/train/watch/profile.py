@@ -6,8 +6,9 @@ behind), `StepProfiler` runs torch.profiler (CPU, plus CUDA on a GPU; no shapes,
 or computing the step's taps) and a `train_step` range (forward, backward, optimizer). Then it writes
 `<out_dir>/profile/`: `trace.json.gz` (ui.perfetto.dev or chrome://tracing), `summary.txt` (torch's op table,
 25 rows by self device time, by self CPU time on a CPU) and `summary.json` (the figures of `_figures`, the
-host's top ops among them), and logs one line, which says when the device idles waiting for the host. It only observes: the step's numbers are unchanged (the device is synchronized at both
-ends of the window, for the wall clock). A failure of its own is said in one line and the run goes on
+host's top ops among them), and logs one line, which says when the device idles waiting for the host. It
+only observes: the step's numbers are unchanged (the device is synchronized at both ends of the window,
+for the wall clock). A failure of its own is said in one line and the run goes on
 without it. Only the main drafter rank profiles (train/loop.py).
 """
 
@@ -26,7 +27,8 @@ from torch.profiler import DeviceType, ProfilerActivity, profile, record_functio
 from dflash_train import atomic
 from dflash_train.train.optim.optimizer import DECIDE_AFTER
 
-TRACE = "trace.json.gz"  # gzipped (Perfetto and chrome://tracing read it): ten GPU steps' JSON ran to ~100 MB
+TRACE = "trace.json.gz"  # gzipped (Perfetto and chrome://tracing read it): ten H100 steps' JSON was too large to come
+# back from the device machine (session 26)
 START_AFTER = 3  # loop passes of this process before the window: a compiled step's graphs are built by then
 TABLE_ROWS = 25
 TOP_OPS = 10
