@@ -111,7 +111,7 @@ def autocast(ctx: StepContext):
 def forward_stats(model, batch: dict, ctx: StepContext, progress: float = 1.0) -> LossStats:
     """Drafter forward + loss sums for one micro-batch already on the device; `progress` is the share of
     the training schedule done before this step (a head's own loss term may follow it; 1: none left)."""
-    # the ranges cost ~2 us each without a profiler; with `train.profile_steps` they split the step's host time
+    # a range costs ~5 us without a profiler (this 2-core box); with `train.profile_steps` they split the host time
     with autocast(ctx), record_function("forward"):
         with record_function("drafter_forward"):
             hidden = drafter_hidden(model, batch, ctx)
