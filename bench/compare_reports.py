@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench._bench import Bench, say  # noqa: E402
-from dflash_train.eval.compare import RESAMPLES, compare, table, verdict, warnings  # noqa: E402
+from dflash_train.eval.compare import RESAMPLES, compare, doubtful_pairings, table, verdict  # noqa: E402
 
 
 def parse(argv=None):
@@ -40,7 +40,7 @@ def main(argv=None) -> int:
         rows = compare(*reports, resamples=a.resamples, seed=a.seed)
         b.info["rows"] = rows
         say(table(rows))
-        for line in warnings(rows):
+        for line in doubtful_pairings(rows):
             b.log(f"warning: {line}")
         for row in rows:
             b.figure(f"{row['set']}_diff", row["diff"], verdict(row))

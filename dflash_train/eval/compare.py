@@ -84,7 +84,7 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def warnings(rows: list[dict]) -> list[str]:
+def doubtful_pairings(rows: list[dict]) -> list[str]:
     """Sets whose plain greedy decodes differ in length between the runs: their prompts (or target) likely differ."""
     return [f"set {r['set']!r}: the plain decodes emitted different token counts, so the prompts or the target "
             f"likely differ and the pairing is doubtful" for r in rows if not r["same_plain_tokens"]]

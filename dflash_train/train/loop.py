@@ -372,7 +372,7 @@ def _revise_budget(p: Process, t: Training, metrics: MetricsLog, step: int) -> N
 
 def _held_out(p: Process, t: Training, metrics: MetricsLog, step: int, final: bool, last_sim):
     """On the main rank, when due (or `final`): held-out simulated tau. Returns the latest figures."""
-    if not p.topo.is_main or not (step % p.cfg.train.eval_every == 0 or final):
+    if not p.topo.is_main or not _eval_due(p, step, final):
         return last_sim
     with p.watchdog.stage("held-out simulated tau"):
         last_sim = simulated_tau(t.drafter, t.held_out, t.ctx)
@@ -381,16 +381,20 @@ def _held_out(p: Process, t: Training, metrics: MetricsLog, step: int, final: bo
     return last_sim
 
 
+def _eval_due(p: Process, step: int, final: bool) -> bool:
+    """Whether this step runs the held-out eval (every train.eval_every steps, and the last)."""
+    return step % p.cfg.train.eval_every == 0 or final
+
+
 def _checkpoint(p: Process, s: Setup, t: Training, metrics: MetricsLog, meta: dict, step: int, final: bool,
                 last_sim) -> None:
     """On the main rank, when due (or `final`): a checkpoint, `best` only by a figure measured on these weights."""
     cfg, progress = p.cfg, t.progress
     if not p.topo.is_main or not (step % cfg.train.ckpt_every == 0 or final):
         return
-    evaluated = step % cfg.train.eval_every == 0 or final
     with p.watchdog.stage("checkpoint"), p.watch.holding():
         progress.seconds = t.budget.elapsed()
-        sim_tau = last_sim["sim_tau"] if evaluated else None
+        sim_tau = last_sim["sim_tau"] if _eval_due(p, step, final) else None
         path = s.checkpointer.save(step, t.weights, t.states, meta, sim_tau=sim_tau)
     metrics.write(f"step {step}: checkpoint {path}")
 

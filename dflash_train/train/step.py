@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.profiler import record_function
 
 from dflash_train.data.anchors import block_inputs, drafted_targets, position_ids
 from dflash_train.model.drafter.attention import MaskSpec, PersistentMasks, build_training_masks
@@ -31,6 +30,7 @@ from dflash_train.train.feed.batching import MicroBatch, to_device
 from dflash_train.train.optim.grads import float32_grads
 from dflash_train.train.loss.objective import CE, LossMix, LossStats, Objective, block_loss, teacher_hidden_at
 from dflash_train.train.optim.optimizer import divides_gradients, share_over_ranks, step_unless
+from dflash_train.train.watch.profile import profiled
 from dflash_train.train.loss.softmax_rows import RowsSpec
 from dflash_train.train.loss.vocab import VocabSubset
 
@@ -111,9 +111,9 @@ def autocast(ctx: StepContext):
 def forward_stats(model, batch: dict, ctx: StepContext, progress: float = 1.0) -> LossStats:
     """Drafter forward + loss sums for one micro-batch already on the device; `progress` is the share of
     the training schedule done before this step (a head's own loss term may follow it; 1: none left)."""
-    # a range costs ~5 us without a profiler (this 2-core box); with `train.profile_steps` they split the host time
-    with autocast(ctx), record_function("forward"):
-        with record_function("drafter_forward"):
+    # with `train.profile_steps` the ranges split the step's host time (train/watch/profile.py)
+    with autocast(ctx), profiled("forward"):
+        with profiled("drafter_forward"):
             hidden = drafter_hidden(model, batch, ctx)
         labels, valid, prev = batch_targets(batch, ctx)
         rows = (ctx.head.drafted_rows(hidden, ctx.block_size) if ctx.head is not None
@@ -161,7 +161,7 @@ def train_step(model, optimizer, scheduler, mbs: list[MicroBatch], ctx: StepCont
         with sync:
             stats = forward_stats(model, to_device(mb, ctx.device), ctx, progress)
             # DDP averages the ranks' gradients: x D makes it their sum
-            with record_function("backward"):
+            with profiled("backward"):
                 (stats.loss_sum * ctx.num_drafters if ddp else stats.loss_sum).backward()
         if grads32 is not None:
             grads32.add(first=i == 0)

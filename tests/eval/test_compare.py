@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train.eval.compare import compare, paired_interval, pooled_tau, table, verdict, warnings
+from dflash_train.eval.compare import compare, doubtful_pairings, paired_interval, pooled_tau, table, verdict
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -71,7 +71,7 @@ def test_old_reports_compare_by_their_taus_and_doubtful_pairings_are_said():
     rows = compare(old, _report({"chat": [[22, 10]] * 4}, plain_tokens=60))
     assert "ci95" not in rows[0] and verdict(rows[0]) == "?" and rows[0]["diff"] == pytest.approx(0.2)
     assert "no per-prompt figures" in table(rows)
-    assert warnings(rows) and "set 'chat'" in warnings(rows)[0]
+    assert doubtful_pairings(rows) and "set 'chat'" in doubtful_pairings(rows)[0]
 
 
 def test_the_bench_prints_the_table_and_a_verdict(tmp_path):

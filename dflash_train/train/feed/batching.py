@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash_train.data.anchors import anchor_generator, draw_anchors, eligible_anchors, sample_anchors
+from dflash_train.data.anchors import anchor_generator, draw_anchors, eligible_anchors
 from dflash_train.data.records import Sample
 
 
@@ -141,8 +141,9 @@ def _cached(cache: dict, sample: Sample) -> SampleTensors:
 
 def collate(samples: list[Sample], epoch: int, seed: int, num_anchors: int, pad_multiple: int,
             max_len: int, cache: dict | None = None) -> MicroBatch:
-    """Right-pad samples to a common length and draw their anchors for this epoch. `cache` (a dict,
-    filled as samples come: `_cached`) skips rebuilding each sample's tensors; the batch is the same."""
+    """Right-pad samples to a common length and draw their anchors for this epoch. `cache` (a dict kept
+    across calls, filled as samples come: `_cached`) builds each sample's tensors once."""
+    cache = {} if cache is None else cache
     seq_len = padded_length([len(s) for s in samples], pad_multiple, max_len)
     b = len(samples)
     input_ids = torch.zeros(b, seq_len, dtype=torch.long)
@@ -153,16 +154,11 @@ def collate(samples: list[Sample], epoch: int, seed: int, num_anchors: int, pad_
     for row, s in enumerate(samples):
         n = min(len(s), seq_len)
         attention[row, :n] = 1
-        generator = anchor_generator(seed, epoch, s.id)
-        if cache is None:
-            input_ids[row, :n] = torch.tensor(s.input_ids[:n])
-            loss_mask[row, :n] = torch.tensor(s.loss_mask[:n])
-            anchors[row], keep[row] = sample_anchors(loss_mask[row], num_anchors, generator)
-            continue
         tensors = _cached(cache, s)
         input_ids[row, :n] = tensors.input_ids[:n]
         loss_mask[row, :n] = tensors.loss_mask[:n]
-        anchors[row], keep[row] = draw_anchors(tensors.eligible_before(n), num_anchors, generator)
+        anchors[row], keep[row] = draw_anchors(tensors.eligible_before(n), num_anchors,
+                                               anchor_generator(seed, epoch, s.id))
     return MicroBatch([s.id for s in samples], input_ids, loss_mask, attention, anchors, keep)
 
 

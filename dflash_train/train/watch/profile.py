@@ -41,6 +41,12 @@ HOST_NOTE = ("host time in the loop's ranges: taps (receive, read or compute the
              "votes, logging, a held-out eval or checkpoint that fell due)")
 
 
+def profiled(name: str):
+    """A named range while a profiler records, else nothing: 0.3 us a call against record_function's 4.9 us
+    without a profiler (this 2-core box), for ranges on the training step's hot path."""
+    return record_function(name) if torch.autograd._profiler_enabled() else contextlib.nullcontext()
+
+
 class StepProfiler:
     """Call `before_step(n)` / `after_step(n)` around each pass of the loop and `close()` after it."""
 
@@ -156,18 +162,19 @@ def _figures(events, averages, steps: int, first: int, last: int, wall_s: float,
     wall_ms = wall_s * 1000.0 / steps
     host = {name: _ms_per_step(us, steps) for name, us in _host_us(events).items()}
     host["rest_of_loop"] = round(max(0.0, wall_ms - host["taps"] - host["train_step"]), 3)
-    busy_ms = None
+    busy_ms, device_ops = None, None
     if cuda:  # kernels, copies and sets; not the device-side copies of the host's ranges (by flag or by name)
         ranges = {e.name for e in events if e.device_type == DeviceType.CPU and e.is_user_annotation}
         device = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation
                   and e.name not in ranges]
         busy_ms = _ms_per_step(_union_us([(e.time_range.start, e.time_range.end) for e in device]), steps)
+        device_ops = round(len(device) / steps, 1)
     ops = [a for a in averages if a.device_type == DeviceType.CPU
            and not getattr(a, "is_user_annotation", False) and not a.key.startswith(OPTIMIZER)]
     return {"steps": steps, "first_step": first, "last_step": last, "device": "cuda" if cuda else "cpu",
             "wall_ms_per_step": round(wall_ms, 3), "device_busy_ms_per_step": busy_ms,
             "device_idle_share": None if busy_ms is None else round(max(0.0, 1.0 - busy_ms / wall_ms), 4),
-            "device_ops_per_step": None if busy_ms is None else round(len(device) / steps, 1),
+            "device_ops_per_step": device_ops,
             "host_ms_per_step": host, "host_note": HOST_NOTE,
             "top_ops_by": "self device time" if cuda else "self CPU time",
             "top_ops": _top(ops, "self_device_time_total" if cuda else "self_cpu_time_total", steps),
