@@ -142,8 +142,6 @@ def main(argv=None) -> int:
     def step():
         from dflash_train.train.step import train_step
 
-        if a.compile_mode == "reduce-overhead":  # CUDA graphs: a new iteration (one micro-batch per step)
-            torch.compiler.cudagraph_mark_step_begin()
         stats, grad_norm, _ = train_step(st["model"], st["optimizer"], st["scheduler"], [st["mb"]] * k, st["ctx"], 1.0)
         st["last"] = (stats, grad_norm)
 

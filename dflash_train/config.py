@@ -253,6 +253,11 @@ class TrainConfig:
     """auto (flex on CUDA, sdpa on CPU) | flex | sdpa | dense."""
     compile: Literal["auto", "on", "off"] = "auto"
     """auto (on CUDA) | on | off."""
+    compile_mode: Literal["default", "reduce-overhead"] = "default"
+    """How a compiled step runs the drafter's forward and backward: default (inductor's kernels launched one by one
+    from the host) | reduce-overhead (the same kernels replayed as CUDA graphs: for steps the host cannot launch
+    fast enough, a narrow drafter on many short rows; the masks are kept at fixed addresses). CUDA only (elsewhere
+    it is the default) and one micro-batch per step per drafter rank (a replay overwrites the last one's outputs)."""
     compile_prewarm: Literal["auto", "on", "off"] = "auto"
     """When the step is compiled: compile it first in a separate process (train/prewarm/), started once the
     config is checked, while this one loads the target and builds the data; it runs the step of a random drafter

@@ -321,8 +321,26 @@ def validate_run(cfg: RunConfig, topo: "Topology") -> None:
     if cfg.data.max_samples is not None and cfg.data.max_samples < cfg.train.seqs_per_step:
         problems.append(f"data.max_samples={cfg.data.max_samples} cannot fill one step of train.seqs_per_step="
                         f"{cfg.train.seqs_per_step} sequences: raise data.max_samples or lower train.seqs_per_step")
-    problems += _run_input_problems(cfg) + precision_problems(cfg)
+    problems += _run_input_problems(cfg) + precision_problems(cfg) + graph_problems(cfg, topo.num_drafters)
     _fail(problems)
+
+
+def graph_problems(cfg: RunConfig, num_drafters: int) -> list[str]:
+    """train.compile_mode=reduce-overhead replays one recorded forward and backward per step: a second micro-batch
+    would overwrite the first one's gradients before they are summed."""
+    if cfg.train.compile_mode != "reduce-overhead":
+        return []
+    problems = []
+    if cfg.train.compile == "off":
+        problems.append("train.compile_mode=reduce-overhead with train.compile=off: CUDA graphs replay a compiled "
+                        "step; set train.compile=auto or on, or train.compile_mode=default")
+    accum = cfg.train.seqs_per_step // max(1, cfg.train.micro_batch * num_drafters)
+    if accum > 1:
+        problems.append(f"train.compile_mode=reduce-overhead with {accum} micro-batches per step "
+                        f"(train.seqs_per_step={cfg.train.seqs_per_step} / train.micro_batch={cfg.train.micro_batch}"
+                        f" / {num_drafters} drafter rank(s)): CUDA graphs need one; set train.micro_batch="
+                        f"{cfg.train.seqs_per_step // num_drafters} or train.compile_mode=default")
+    return problems
 
 
 def precision_problems(cfg: RunConfig) -> list[str]:

@@ -107,6 +107,18 @@ def test_training_rules():
           match="data.max_samples=3 cannot fill one step of train.seqs_per_step=4")
 
 
+def test_cuda_graphs_need_a_compiled_step_of_one_micro_batch():
+    """train.compile_mode=reduce-overhead replays one recorded forward and backward per step."""
+    graphs = with_(recipes.get("tiny"), "train.compile_mode", "reduce-overhead")  # 4 seqs/step, micro-batch 1
+    fires(validate.validate_run, graphs, ONE, match="train.compile_mode=reduce-overhead with 4 micro-batches per step "
+                                                    "(train.seqs_per_step=4 / train.micro_batch=1 / 1 drafter rank(s)): "
+                                                    "CUDA graphs need one; set train.micro_batch=4")
+    one = with_(graphs, "train.micro_batch", 4)
+    validate.validate_run(one, ONE)
+    fires(validate.validate_run, with_(one, "train.compile", "off"), ONE,
+          match="train.compile_mode=reduce-overhead with train.compile=off")
+
+
 def test_offline_needs_prepared_shards(tmp_path):
     offline = with_(recipes.get("tiny"), "topology.mode", "offline")
     topo = Topology("offline", 1, 0, 0, 0)

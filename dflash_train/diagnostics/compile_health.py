@@ -138,6 +138,7 @@ class CompileCounters:
     flex_debug_eager: bool = False  # _FLEX_ATTENTION_DISABLE_COMPILE_DEBUG: flex forced eager
     fx_flag: bool = False
     compiling: bool = False  # torch.compiler.is_compiling() at snapshot time (2.13+ leaks it)
+    cudagraph_skips: int = 0  # inductor's count of graphs run without CUDA graphs (or re-recorded past its limit)
 
     @classmethod
     def snapshot(cls) -> "CompileCounters":
@@ -159,6 +160,7 @@ class CompileCounters:
             flex_debug_eager=bool(getattr(fa, "_FLEX_ATTENTION_DISABLE_COMPILE_DEBUG", False)),
             fx_flag=fx_tracing_flag(),
             compiling=bool(is_compiling()),
+            cudagraph_skips=_counter("inductor", "cudagraph_skips"),
         )
 
     def as_dict(self) -> dict:
@@ -181,6 +183,8 @@ class HealthReport:
     fx_flag_scope: str
     expect_compiled_flex: bool
     max_new_graphs: int
+    cudagraph_skips: int = 0  # since the process started: a graph skipped at its first compile never runs as one
+    expect_graphs: bool = False
     problems: list[str] = field(default_factory=list)
 
     @property
@@ -198,7 +202,8 @@ class HealthReport:
         """The measured figures on one line."""
         return (f"{self.new_graphs} new graphs, {self.new_recompile_limit_hits} recompile-limit hits, "
                 f"{self.new_graph_breaks} graph breaks, {self.eager_flex_calls} eager flex calls, "
-                f"FX flag {'stuck' if self.fx_flag_stuck else 'clear'} ({self.fx_flag_scope})")
+                f"FX flag {'stuck' if self.fx_flag_stuck else 'clear'} ({self.fx_flag_scope})"
+                f"{f', {self.cudagraph_skips} CUDA-graph skips' if self.expect_graphs else ''}")
 
 
 def _eager_flex_problem(n_calls: int, debug_flag: bool) -> str:
@@ -232,15 +237,21 @@ def _problems(after: CompileCounters, report: HealthReport) -> list[str]:
             "to symbolically trace a dynamo-optimized function' or runs uncompiled. Cause: uncompiled "
             "flex_attention/create_block_mask/cond in one thread while another compiled. Fix: one "
             "process per GPU (never compile in threads); restart this process.")
+    if report.expect_graphs and report.cudagraph_skips:
+        problems.append(f"CUDA graphs skipped {report.cudagraph_skips}x (train.compile_mode=reduce-overhead): those "
+                        "graphs run their kernels one by one, or were re-recorded past inductor's limit; the reason is "
+                        "in the log's 'skipping cudagraphs' line (TORCH_LOGS=cudagraphs). Fix the cause or use "
+                        "train.compile_mode=default")
     return problems
 
 
 def check_compile_health(before: CompileCounters, after: CompileCounters, *, expect_compiled_flex: bool,
-                         max_new_graphs: int = 0) -> HealthReport:
+                         max_new_graphs: int = 0, expect_graphs: bool = False) -> HealthReport:
     """Compare two snapshots taken around steps that should not compile anything new.
 
     `expect_compiled_flex`: the steps use flex_attention inside torch.compile, so any eager flex call
     is a fallback. `max_new_graphs`: graphs allowed to appear between the snapshots (0 after warm-up).
+    `expect_graphs`: the step runs as CUDA graphs, so any skip since the process started is a fallback.
     """
     eager_calls = max(0, after.eager_flex_calls - before.eager_flex_calls)
     eager = (eager_calls > 0 or (after.eager_flex_warned and not before.eager_flex_warned)
@@ -257,16 +268,18 @@ def check_compile_health(before: CompileCounters, after: CompileCounters, *, exp
         fx_flag_scope=fx_tracing_flag_scope(),
         expect_compiled_flex=expect_compiled_flex,
         max_new_graphs=max_new_graphs,
+        cudagraph_skips=after.cudagraph_skips,
+        expect_graphs=expect_graphs,
     )
     report.problems = _problems(after, report)
     return report
 
 
 def assert_compile_healthy(before: CompileCounters, after: CompileCounters, *, expect_compiled_flex: bool,
-                           max_new_graphs: int = 0) -> HealthReport:
+                           max_new_graphs: int = 0, expect_graphs: bool = False) -> HealthReport:
     """`check_compile_health`, raising `CompileHealthError` (cause and fix in the message) if not ok."""
     report = check_compile_health(before, after, expect_compiled_flex=expect_compiled_flex,
-                                  max_new_graphs=max_new_graphs)
+                                  max_new_graphs=max_new_graphs, expect_graphs=expect_graphs)
     if not report.ok:
         raise CompileHealthError(report)
     return report

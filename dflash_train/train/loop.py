@@ -250,8 +250,7 @@ def _train_drafter(p: Process, s: Setup) -> dict:
     if topo.is_main:
         coverage = anchor_coverage([sample.loss_mask for sample in s.data.train], cfg.train.num_anchors)
         log(setup.describe(cfg, s.dcfg, topo, len(s.data.train), len(s.data.held_out), s.total_steps,
-                           s.feed.plan.accum, s.kernels.backend, s.kernels.compiled, s.feed.spec.bytes_per_token,
-                           s.kernels.precision, coverage))
+                           s.feed.plan.accum, s.kernels, s.feed.spec.bytes_per_token, coverage))
     last_sim = _loop(p, s, t)
     p.vote.finish()  # the last checkpoint is written: every rank may leave
     p.watch.stop()  # (and the main one exports and evaluates alone)
@@ -278,8 +277,8 @@ def _loop(p: Process, s: Setup, t: Training):
     last held-out figures."""
     cfg, topo, progress, budget = p.cfg, p.topo, t.progress, t.budget
     metrics = MetricsLog(p.out_dir, _end(s, budget), progress.step, topo.is_main, cfg.train.tensorboard)
-    compiled = s.kernels.compiled
-    health = CompileHealthWatch(compiled, s.kernels.backend == "flex", progress.step, metrics.above_bar(p.log))
+    kernels, compiled = s.kernels, s.kernels.compiled
+    health = CompileHealthWatch(compiled, kernels.backend == "flex", progress.step, metrics.above_bar(p.log), kernels.graphs)
     timer, interval, last_sim = ComputeTimer(p.device), TokenInterval(), None
     undecided = budget.seconds is not None and budget.steps is None  # train.max_minutes still to measure the rate
     profiler = StepProfiler(cfg.train.profile_steps if topo.is_main else 0, p.device, p.out_dir,

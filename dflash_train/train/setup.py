@@ -22,6 +22,7 @@ from dflash_train.data.shards import ShardReader
 from dflash_train.data.text import has_chat_template, resolve_data_format
 from dflash_train.eval.prompt_sets import check_prompt_sets
 from dflash_train.model.drafter.config import DrafterConfig, drafter_config_from_target
+from dflash_train.model.drafter.attention import PersistentMasks
 from dflash_train.model.drafter.heads.architectures import build_drafter, head_settings
 from dflash_train.model.drafter.backbone import DFlashDrafter
 from dflash_train.model.target.target import norm_factor, resolve_mask_token_id
@@ -151,6 +152,12 @@ class Kernels:
     backend: str  # attention: flex | sdpa | dense
     compiled: bool
     precision: tuple[str, str]  # the drafter's matmuls, bf16 | fp8, and why (fp8.resolve_precision)
+    graphs: bool = False  # train.compile_mode=reduce-overhead on CUDA: forward and backward replayed as CUDA graphs
+
+    @property
+    def compile_mode(self) -> str | None:
+        """torch.compile's mode for the drafter (None: torch's default)."""
+        return "reduce-overhead" if self.graphs else None
 
     def pad_multiple(self, max_len: int) -> int:
         """A compiled step pads every micro-batch to data.max_len whatever its samples' lengths (one static
@@ -160,8 +167,9 @@ class Kernels:
 
 def resolve_kernels(cfg: RunConfig, device, dcfg: DrafterConfig) -> Kernels:
     compiled = resolve_compile(cfg.train.compile, device)
+    graphs = compiled and cfg.train.compile_mode == "reduce-overhead" and torch.device(device).type == "cuda"
     return Kernels(resolve_backend(cfg.train.attention, device), compiled,
-                   resolve_precision(cfg.train.precision, device, dcfg.hidden_size, compiled))
+                   resolve_precision(cfg.train.precision, device, dcfg.hidden_size, compiled), graphs)
 
 
 def batch_plan(cfg: RunConfig, num_drafters: int) -> BatchPlan:
@@ -190,7 +198,7 @@ def step_model(drafter, optimizer, cfg: RunConfig, kernels: Kernels, device, dp_
     """What the step calls: the drafter in the optimizer's parameter dtype, DDP-wrapped and compiled as configured."""
     return parallelize(drafter, device=device, compile_model=kernels.compiled, dp_group=dp_group,
                        num_drafters=num_drafters, param_dtype=param_dtype(optimizer), precision=kernels.precision[0],
-                       fp8_recipe=cfg.train.fp8_recipe, fp8_filter=cfg.train.fp8_filter, log=log)
+                       compile_mode=kernels.compile_mode, fp8_recipe=cfg.train.fp8_recipe, fp8_filter=cfg.train.fp8_filter, log=log)
 
 
 def step_context(cfg: RunConfig, target, dcfg: DrafterConfig, drafter, vocab, kernels: Kernels, device, dp_group,
@@ -207,7 +215,7 @@ def step_context(cfg: RunConfig, target, dcfg: DrafterConfig, drafter, vocab, ke
                        train_vocab=vocab, train_lm_head=loss_head if vocab is not None else None,
                        loss=LossMix.from_config(cfg.loss), loss_head_fp8=loss_head_fp8(cfg, kernels, loss_head, log),
                        head=drafter, weighting=cfg.loss.weighting, dpace_alpha=cfg.loss.dpace_alpha,
-                       head_weight=cfg.loss.head_weight)
+                       head_weight=cfg.loss.head_weight, persistent_masks=PersistentMasks() if kernels.graphs else None)
 
 
 def loss_head_fp8(cfg: RunConfig, kernels: Kernels, loss_head: torch.Tensor, log):
@@ -404,8 +412,8 @@ def describe_coverage(c: dict, num_anchors: int) -> str:
 
 
 def describe(cfg: RunConfig, dcfg: DrafterConfig, topo: Topology, n_train: int, n_eval: int, total: int,
-             accum: int, backend: str, compiled: bool, taps_bytes_per_token: int, precision: tuple[str, str],
-             coverage: dict | None = None) -> str:
+             accum: int, kernels: Kernels, taps_bytes_per_token: int, coverage: dict | None = None) -> str:
+    precision = kernels.precision
     lines = [
         f"topology    {topo.describe()}",
         f"target      {cfg.target.model}: taps after layers {list(dcfg.target_layer_ids)} of {dcfg.num_target_layers}"
@@ -418,7 +426,8 @@ def describe(cfg: RunConfig, dcfg: DrafterConfig, topo: Topology, n_train: int, 
         *([describe_coverage(coverage, cfg.train.num_anchors)] if coverage else []),
         f"schedule    {total} steps, lr {cfg.optim.lr} cosine, warm-up {cfg.optim.warmup_ratio:.0%}, clip "
         f"{cfg.optim.grad_clip}, gamma {gamma_of(cfg)}",
-        f"kernels     attention={backend}, compile={'on' if compiled else 'off'}, precision drafter "
+        f"kernels     attention={kernels.backend}, compile={'on' if kernels.compiled else 'off'}"
+        f"{' (CUDA graphs: reduce-overhead)' if kernels.graphs else ''}, precision drafter "
         f"{precision[0]}{f' {cfg.train.fp8_recipe}' if precision[0] == 'fp8' else ''} ({precision[1]}), "
         f"target {cfg.target.precision}",
     ]

@@ -52,7 +52,7 @@ class StepContext:
     compile_loss: bool = False  # fuse the lm_head/softmax passes with torch.compile (compiled runs)
     train_vocab: VocabSubset | None = None  # training-only softmax subset (loss.train_vocab)
     train_lm_head: torch.Tensor | None = None  # lm_head rows of train_vocab, [V', H]
-    persistent_masks: PersistentMasks | None = None  # CUDA graphs (bench): masks kept at fixed addresses
+    persistent_masks: PersistentMasks | None = None  # CUDA graphs (train.compile_mode): masks at fixed addresses
     loss: LossMix = CE  # loss.kind as coefficients; teacher terms read batch["final_hidden"]
     loss_head_fp8: object = None  # fp8.Float8Head of the lm_head the loss uses (train.fp8_lm_head), or None
     head: object = None  # the (unwrapped) drafter: its head's drafted slots, logit bias and own loss term
@@ -159,6 +159,8 @@ def train_step(model, optimizer, scheduler, mbs: list[MicroBatch], ctx: StepCont
         last = i == len(mbs) - 1
         sync = model.no_sync() if ddp and not last else contextlib.nullcontext()
         with sync:
+            if ctx.persistent_masks is not None:  # CUDA graphs: this forward's replay may reuse the last one's memory
+                torch.compiler.cudagraph_mark_step_begin()
             stats = forward_stats(model, to_device(mb, ctx.device), ctx, progress)
             # DDP averages the ranks' gradients: x D makes it their sum
             with profiled("backward"):

@@ -141,6 +141,18 @@ def test_a_stuck_fx_tracing_flag_is_reported():
     assert not CompileCounters.snapshot().fx_flag
 
 
+def test_a_skipped_cuda_graph_fails_a_run_that_asked_for_graphs():
+    """Inductor skips CUDA graphs for a graph on the CPU (a real skip, counted as on a GPU where an input or op
+    keeps a graph out): unhealthy when the run asked for graphs, ignored when it did not."""
+    before = CompileCounters.snapshot()
+    torch.compile(_tiny, dynamic=False, mode="reduce-overhead")(torch.ones(5))
+    after = CompileCounters.snapshot()
+    assert after.cudagraph_skips > before.cudagraph_skips
+    asked = check_compile_health(before, after, expect_compiled_flex=False, max_new_graphs=1, expect_graphs=True)
+    assert not asked.ok and "CUDA graphs skipped" in asked.message() and "train.compile_mode=default" in asked.message()
+    assert check_compile_health(before, after, expect_compiled_flex=False, max_new_graphs=1).ok
+
+
 def test_fx_flag_scope_matches_this_torch():
     minor = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     assert fx_tracing_flag_scope() == ("per-thread" if minor >= (2, 14) else "process-wide")

@@ -167,3 +167,20 @@ def test_each_node_reads_its_own_disk_and_resumes_without_the_main_nodes_files(t
     assert "resumed from" in node0 and "dflash-train train: OK (rank 1, drafter, 4 steps)" in node0
     assert "dflash-train train: OK (rank 3, drafter, 4 steps)" in node1
     assert (tmp_path / "node0" / "run" / "checkpoints" / "step_00000004").is_dir()
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_cuda_graphs_only_where_cuda_runs_the_compiled_step(mode):
+    """train.compile_mode=reduce-overhead gives CUDA graphs (and masks at fixed addresses) on CUDA only: on a CPU
+    the compiled step runs as the default, which the kernels line says."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from dflash_train.train import setup
+
+    cfg = apply_overrides(tiny(), [f"train.compile_mode={mode}", "train.compile=on"])
+    kernels = setup.resolve_kernels(cfg, torch.device("cpu"), SimpleNamespace(hidden_size=64))  # width: precision
+    assert kernels.compiled and not kernels.graphs and kernels.compile_mode is None
+    cuda = setup.Kernels("flex", True, ("bf16", "test"), graphs=mode == "reduce-overhead")
+    assert cuda.compile_mode == ("reduce-overhead" if mode == "reduce-overhead" else None)

@@ -59,12 +59,12 @@ class MaskSpec:
 
 
 class PersistentMasks:
-    """Masks at fixed addresses, for CUDA graphs (bench/drafter_step.py --compile-mode
-    reduce-overhead): a graph replays fixed addresses, and both the BlockMask's tile tensors and
+    """Masks at fixed addresses, for CUDA graphs (train.compile_mode=reduce-overhead, bench/drafter_step.py
+    --compile-mode reduce-overhead): a graph replays fixed addresses, and both the BlockMask's tile tensors and
     the tensors its mask_mod captures (each query's key intervals) are taken as static inputs, so
     new tensors each step force a re-recording (0.175 s/step, PERF.md 3.2). Passed to
     `build_training_masks`, it copies each step's values into the tensors of the first step of the
-    same shape and returns those instead (an experiment: the trainer has no CUDA-graph mode)."""
+    same shape and returns those instead."""
 
     TILE_TENSORS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
                     "q_indices", "full_q_num_blocks", "full_q_indices")

@@ -135,8 +135,9 @@ class CompileHealthWatch:
     """After warm-up, verify that no step compiles anything new and that flex attention runs
     compiled (no eager fallback); then forbid recompiles for the rest of the run. Fails loudly."""
 
-    def __init__(self, enabled: bool, expect_flex: bool, start_step: int, log):
+    def __init__(self, enabled: bool, expect_flex: bool, start_step: int, log, expect_graphs: bool = False):
         self.enabled, self.expect_flex, self.log = enabled, expect_flex, log
+        self.expect_graphs = expect_graphs  # train.compile_mode=reduce-overhead: no step may run outside its graphs
         self.before = None
         self.warm_at = start_step + HEALTH_WARMUP_STEPS
         self.check_at = self.warm_at + HEALTH_CHECK_STEPS
@@ -150,7 +151,7 @@ class CompileHealthWatch:
             self.before = ch.CompileCounters.snapshot()
         elif self.before is not None and (step == self.check_at or last):
             report = ch.assert_compile_healthy(self.before, ch.CompileCounters.snapshot(),
-                                               expect_compiled_flex=self.expect_flex)
+                                               expect_compiled_flex=self.expect_flex, expect_graphs=self.expect_graphs)
             frozen = ch.freeze_compilation()
             self.log(f"compile health: OK after warm-up ({report.summary()}); recompiles "
                      f"{'now forbidden' if frozen else 'not forbidden (no set_stance in this torch)'}")
