@@ -258,12 +258,6 @@ class Muon(torch.optim.Optimizer):
         make = (lambda fn: torch.compile(fn, fullgraph=True, dynamic=False)) if compiled else (lambda fn: fn)
         self._momentum, self._nesterov, self._apply = make(_advance_momentum), make(_nesterov_stack), \
             make(_apply_update)
-        # one graph per shape batch: eager, the iteration launched ~60 ops a batch from the host, a share of a
-        # host-bound step (docs/PERF.md 8); gram_symmetric's in-place block rows stay eager
-        self._orthogonalise = make(orthogonalise) if self.blocks == 1 else orthogonalise
-        if compiled:  # a graph per shape batch, all under one code object's recompile limit
-            batches = len(_by_shape(self.param_groups[0]["params"]))
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 2 * batches)
         for p in self.param_groups[0]["params"]:  # made now: a skipped first step must leave the state alone
             self._buffer(p)
 
@@ -295,7 +289,7 @@ class Muon(torch.optim.Optimizer):
             if mine:
                 stacked = self._nesterov([grads[i] for i in mine], [bufs[i] for i in mine], scale, group["momentum"],
                                          tuple(tall[i] for i in mine))
-                ortho = self._orthogonalise(stacked, *self.schedule, gram=self.gram, blocks=self.blocks)
+                ortho = orthogonalise(stacked, *self.schedule, gram=self.gram, blocks=self.blocks)
                 self.orthogonalised += len(mine)
             ortho = self._gathered(ortho, len(index), shape, params[0].device).unbind(0)
             self._apply([params[i] for i in index], None if lows is None else [lows[i] for i in index],

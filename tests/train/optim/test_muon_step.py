@@ -97,53 +97,20 @@ def test_same_shape_matrices_are_orthogonalised_in_one_batch(monkeypatch):
     assert opt.muon.orthogonalised == len(SHAPES)
 
 
-@pytest.mark.parametrize("iteration", ["newton_schulz", "gram"])  # the CUDA path: bf16 weights, float32 masters
-def test_the_compiled_update_is_torch_muon_within_bf16_rounding(iteration):
-    """The compiled update (the CUDA path: elementwise kernels and each batch's iteration, compiled here on the
-    CPU) against torch.optim.Muon over 6 steps: every matrix within 4 % of its move. Measured 0.5 % with the
-    iteration eager, 2.2 % compiled: inductor's lerp and multiply-add round differently in the last float32 bit,
-    and the compiled iteration rounds its bf16 intermediates elsewhere (as close to the float64 polynomial as the
-    eager one: `test_the_compiled_iteration_is_as_close_to_the_polynomial`); a wrong coefficient, a missing
-    Nesterov term or a step on the wrong scale moves weights by tens of percent of the move. `gram` runs the same
-    polynomial in its Gram form (float32 on a CPU) on the 8 x 24 batch."""
+@pytest.mark.parametrize("master", [True])  # the CUDA path: bf16 weights, float32 masters
+def test_the_compiled_update_is_torch_muon_within_bf16_rounding(master):
+    """The compiled elementwise kernels (the CUDA path, compiled here on the CPU) against
+    torch.optim.Muon over 6 steps: every matrix within 2 % of its move. Measured 0.5 %: inductor's
+    lerp and multiply-add round differently in the last float32 bit, which flips a few bf16 roundings
+    of the Newton-Schulz input; a wrong coefficient, a missing Nesterov term or a step on the wrong
+    scale moves weights by tens of percent of the move."""
     model, start = Stack(), Stack()
-    opt = _optimizer(model, True, compiled=True, iteration=iteration)
+    opt = _optimizer(model, master, compiled=True)
     for step in range(6):
         _step(model, opt, step)
     for got, want, first in zip(_muon_weights(opt), _torch_reference(6), start.mats):
         moved = float((want - first).abs().max())
-        assert moved > 1e-2 and float((got - want).abs().max()) <= 0.04 * moved
-
-
-def _float64_polynomial(x: torch.Tensor, coefficients) -> torch.Tensor:
-    """torch's quintic in float64 from the same bf16 input (wide matrices)."""
-    x = x.bfloat16().double()
-    x = x / x.norm(dim=(-2, -1), keepdim=True).clamp(min=1e-7)
-    for a, b, c in coefficients:
-        gram_matrix = x @ x.mT
-        x = a * x + (b * gram_matrix + c * gram_matrix @ gram_matrix) @ x
-    return x
-
-
-@pytest.mark.parametrize("gram", [False, True])
-def test_the_compiled_iteration_is_as_close_to_the_polynomial(gram):
-    """`Muon` compiles `orthogonalise` per shape batch where it compiles its elementwise work (CUDA): its result
-    is within 1.5x (+ 0.002) the eager iteration's distance to the float64 polynomial (measured: standard form
-    0.013-0.015 against eager's 0.013-0.020, both rounding to bf16 in other places; the Gram form, float32 on a CPU,
-    0.0027 against 0.0016) and under 5 % (the coefficient a 2 % off lands at 0.15-0.19)."""
-    coefficients = (TORCH_COEFFICIENTS,) * 5
-    torch._dynamo.reset()  # 8 graphs here, and other tests' under the same code object's recompile limit
-    compiled = torch.compile(orthogonalise, fullgraph=True, dynamic=False)
-    gen = torch.Generator().manual_seed(3)
-    for shape in ((5, 16, 24), (2, 8, 24), (1, 32, 32), (3, 64, 192)):
-        x = torch.randn(shape, generator=gen)
-        want = _float64_polynomial(x, coefficients)
-
-        def error(got: torch.Tensor) -> float:
-            return float((got.double() - want).norm() / want.norm())
-
-        eager, ours = error(orthogonalise(x, coefficients, gram=gram)), error(compiled(x, coefficients, gram=gram))
-        assert ours <= 1.5 * eager + 0.002 and ours < 0.05, (shape, ours, eager)
+        assert moved > 1e-2 and float((got - want).abs().max()) <= 0.02 * moved
 
 
 @contextlib.contextmanager
