@@ -31,7 +31,7 @@ from tqdm.auto import tqdm
 from dflash_train.config import DataConfig, EvalConfig
 from dflash_train.data.conversations import prompt_messages, render_chat
 from dflash_train.data.text import split_point
-from dflash_train.eval import lossless, precision
+from dflash_train.eval import calibration, lossless, precision
 from dflash_train.eval import report as rep
 from dflash_train.eval.spec_decode import DraftHead, GenResult, SpecResult, speculative_generate, target_generate
 from dflash_train.eval.static_decode import StaticDecoder, static_reason
@@ -204,9 +204,9 @@ def beside_note(figures: dict) -> str | None:
 
 def set_notes(figures: dict, dtype: str, temperature: float) -> list[str]:
     """The lines printed under a set's figures: the decode beside the headline, explained near-ties, prompts timed
-    during a stall."""
+    during a stall, the confidence head's calibration."""
     notes = (beside_note(figures), rep.lossless_note(figures, dtype == "float32", temperature),
-             rep.timing_note(figures))
+             rep.timing_note(figures), figures.get("confidence") and calibration.describe(figures["confidence"]))
     return [note for note in notes if note]
 
 
@@ -351,6 +351,8 @@ def evaluate(drafter: DFlashDrafter, target, prompt_sets: dict[str, list[list[di
     if out_dir is not None:
         out = Path(out_dir)
         report["plots"] = [str(p) for p in rep.plot(report["sets"], out)]
+        if calibration.plot(report["sets"], out / calibration.RELIABILITY_PNG):
+            report["plots"].append(str(out / calibration.RELIABILITY_PNG))
         report["report"] = str(rep.write_json(report, out))
     lossless.raise_on_failures(verdict, report.get("report"))  # the evidence is on disk first
     return report

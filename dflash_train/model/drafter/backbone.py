@@ -204,6 +204,11 @@ class DFlashDrafter(nn.Module):
         labels in the lm_head's row space (`vocab_ids`)."""
         return None, None
 
+    def acceptance_logits(self, rows: torch.Tensor, prev: torch.Tensor) -> torch.Tensor | None:
+        """Logits [T] of each drafted token's acceptance, from flat rows [T, H] and the tokens before them prev
+        [T] (a head's confidence, which engines may read to stop a draft), or None: DFlash has no such head."""
+        return None
+
     def greedy(self, rows: torch.Tensor, prev: torch.Tensor, logits_fn, embed=None) -> torch.Tensor:
         """The greedy drafts [M, D] of rows [M, D, H] given the previous tokens prev [M, D] (teacher
         forced: on a leading run of accepted drafts the previous tokens are the data's), or [T] of flat

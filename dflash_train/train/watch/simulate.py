@@ -9,6 +9,8 @@ Two measures, both greedy, both from one drafter forward over a known text with 
   often than the ones where they run long, so its tau is the token-weighted harmonic mean of the
   per-anchor figure, below it wherever acceptance is uneven (code: boilerplate, then logic). In
   float32 the walk reproduces the real loop's accepted counts (tests/train/watch/test_simulate.py).
+A drafter with a confidence head (`acceptance_logits`) is also scored on the walk's text: its prediction for
+every drafted slot against that slot's greedy acceptance (`eval/calibration.py`).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import torch
 
 from dflash_train.data.anchors import drafted_targets
 from dflash_train.data.records import Sample
+from dflash_train.eval.calibration import Calibration
 from dflash_train.eval.spec_decode import DraftHead
 from dflash_train.train import setup
 from dflash_train.train.feed.batching import to_device
@@ -49,13 +52,14 @@ def simulated_tau(drafter, eval_mbs, ctx: StepContext) -> dict:
     return summarize(total) if total is not None else {"sim_tau": float("nan"), "acc": []}
 
 
-def anchor_acceptance(drafter, batch: dict, ctx: StepContext,
-                      head: DraftHead | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def anchor_acceptance(drafter, batch: dict, ctx: StepContext, head: DraftHead | None = None,
+                      confidence: Calibration | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Per anchor of a batch on the device: (draft tokens accepted greedily [b, N], whether the anchor
     has a supervised token after it [b, N]); accepted = leading drafted tokens whose greedy choice
     (the head's, `greedy`, given the data's previous tokens: on a leading run of accepted
     drafts those are the drafted ones) equals the label, over the full vocabulary or, as the decode
-    loop drafts, over `head`'s draft vocabulary."""
+    loop drafts, over `head`'s draft vocabulary. `confidence` collects the drafter's acceptance logits against
+    each slot's own greedy acceptance (given the data's tokens before it), when the drafter has them."""
     with autocast(ctx):
         hidden = drafter_hidden(drafter, batch, ctx)
     labels, valid, prev = drafted_targets(batch["input_ids"], batch["loss_mask"], batch["anchors"], batch["keep"],
@@ -69,6 +73,10 @@ def anchor_acceptance(drafter, batch: dict, ctx: StepContext,
                       for r, p in zip(rows.split(blocks), prev.reshape(b * n, drafted).split(blocks))])
     correct = (pred.view(b, n, drafted) == labels) & valid  # [b, N, D]
     accepted = correct.int().cumprod(-1).sum(-1)  # [b, N]
+    logits = drafter.acceptance_logits(rows.reshape(-1, rows.shape[-1]), prev.reshape(-1)) \
+        if confidence is not None else None  # [b*N*D]
+    if logits is not None:
+        confidence.add(logits.view(b, n, drafted), correct, valid)
     return accepted, valid[:, :, 0]
 
 
@@ -84,11 +92,13 @@ def accepted_walk(anchors: list[int], accepted: list[int], start: int) -> list[i
 
 
 def simulated_walks(drafter, target, ctx: StepContext, sequences: list[tuple[list[int], list[int]]],
-                    draft_vocab: torch.Tensor | None = None) -> tuple[list[list[int]], float]:
+                    draft_vocab: torch.Tensor | None = None, confidence: Calibration | None = None
+                    ) -> tuple[list[list[int]], float]:
     """For (prompt ids, output ids) pairs: the decode walk of each (accepted counts per step), and the
     per-anchor tau over every eligible anchor of all of them. Taps come from the target's forward
     over the whole text, stopped after the last tapped layer (acceptance compares argmaxes with the
-    text: no final hidden state is needed). `draft_vocab`: the ids the decode loop drafts over."""
+    text: no final hidden state is needed). `draft_vocab`: the ids the decode loop drafts over; `confidence`:
+    see `anchor_acceptance`."""
     spec = taps_spec(drafter.config, target.dtype)
     eval_ctx, layer_ids = eval_context(ctx), list(drafter.config.target_layer_ids)
     walks, anchor_sum, anchor_count = [], 0, 0
@@ -103,7 +113,7 @@ def simulated_walks(drafter, target, ctx: StepContext, sequences: list[tuple[lis
             sample = Sample("sim", tuple(prompt + out), (0,) * len(prompt) + (1,) * len(out))
             (mb,) = setup.eval_batches([sample], len(sample), 1, len(sample), max_samples=1)  # every anchor
             mb.from_target = target_tensors(target, layer_ids, mb, ctx.device, spec)
-            accepted, has_label = anchor_acceptance(drafter, to_device(mb, ctx.device), eval_ctx, head)
+            accepted, has_label = anchor_acceptance(drafter, to_device(mb, ctx.device), eval_ctx, head, confidence)
             kept = has_label[0]  # `valid` already holds `keep`
             anchors, counts = mb.anchors[0][kept.cpu()].tolist(), accepted[0][kept].tolist()
             walks.append(accepted_walk(anchors, counts, start=len(prompt)))
@@ -114,13 +124,17 @@ def simulated_walks(drafter, target, ctx: StepContext, sequences: list[tuple[lis
 
 def simulator(drafter, target, ctx: StepContext, draft_vocab: torch.Tensor | None = None):
     """The eval's train/serve check: `simulate(pairs)` -> {"sim_tau": the decode walk's tau on that
-    text, "sim_tau_anchors": the per-anchor figure training reports}, drafting over `draft_vocab`
-    where the eval does."""
+    text, "sim_tau_anchors": the per-anchor figure training reports, and for a drafter with a confidence head
+    "confidence": its calibration on that text (`calibration.Calibration.summary`)}, drafting over
+    `draft_vocab` where the eval does."""
 
     def simulate(sequences: list[tuple[list[int], list[int]]]) -> dict:
-        walks, per_anchor = simulated_walks(drafter, target, ctx, sequences, draft_vocab)
+        confidence = Calibration()
+        walks, per_anchor = simulated_walks(drafter, target, ctx, sequences, draft_vocab, confidence)
         steps = [a for walk in walks for a in walk]
         walk_tau = sum(a + 1 for a in steps) / len(steps) if steps else float("nan")
-        return {"sim_tau": walk_tau, "sim_tau_anchors": per_anchor}
+        calibration = confidence.summary()
+        return {"sim_tau": walk_tau, "sim_tau_anchors": per_anchor,
+                **({"confidence": calibration} if calibration else {})}
 
     return simulate

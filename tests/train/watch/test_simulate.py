@@ -89,3 +89,37 @@ def test_walk_reproduces_real_speculative_decoding(block_size, draft_vocab, arch
     walk_steps = [a for w in walks for a in w]
     assert figures["sim_tau"] == pytest.approx(sum(a + 1 for a in walk_steps) / len(walk_steps))
     assert figures["sim_tau_anchors"] == pytest.approx(per_anchor) and 1.0 <= per_anchor <= block_size + 1
+
+
+@pytest.mark.parametrize("arch", ["dflash", "dspark"])
+def test_the_confidence_head_is_scored_on_the_walks_text(arch):
+    """A drafter with a confidence head gets its calibration in the simulator's figures; its first slot's
+    outcome is the anchor's own acceptance (accepted >= 1), one pair per anchor with a label. DFlash has no head."""
+    from dflash_train.eval.calibration import Calibration
+    from dflash_train.train import setup
+    from dflash_train.train.feed.batching import to_device
+    from dflash_train.train.feed.taps import target_tensors, taps_spec
+    from dflash_train.data.records import Sample
+    from dflash_train.train.watch.simulate import anchor_acceptance, eval_context
+
+    target = _peaked_target()
+    drafter = _drafter(target, 4, arch)
+    g = torch.Generator().manual_seed(5)
+    prompt, out = torch.randint(0, 90, (7,), generator=g).tolist(), torch.randint(0, 90, (30,), generator=g).tolist()
+    out = [LIKELY[i % 3] if i % 2 else t for i, t in enumerate(out)]  # some drafts land
+    figures = simulator(drafter, target, _ctx(target, drafter))([(prompt, out)])
+    assert ("confidence" in figures) == (arch == "dspark")
+    if arch == "dflash":
+        return
+    sample = Sample("t", tuple(prompt + out), (0,) * len(prompt) + (1,) * len(out))
+    (mb,) = setup.eval_batches([sample], len(sample), 1, len(sample), max_samples=1)
+    mb.from_target = target_tensors(target, list(drafter.config.target_layer_ids), mb, torch.device("cpu"),
+                                    taps_spec(drafter.config, target.dtype))
+    cal = Calibration()
+    with torch.no_grad():
+        accepted, has_label = anchor_acceptance(drafter, to_device(mb, torch.device("cpu")),
+                                                eval_context(_ctx(target, drafter)), None, cal)
+    first_slot = cal.summary()["per_slot"][0]
+    assert first_slot[2] == int(has_label.sum())
+    assert first_slot[1] == pytest.approx(float((accepted[has_label] >= 1).double().mean()))
+    assert 0 < figures["confidence"]["pairs"] and figures["confidence"]["per_slot"][0][2] == first_slot[2]

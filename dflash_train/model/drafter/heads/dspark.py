@@ -116,15 +116,15 @@ class DSparkDrafter(DFlashDrafter):
         weight = self.markov_head.markov_w2.weight  # [V, r]
         return latent.reshape(-1, latent.shape[-1]), weight if vocab_ids is None else weight[vocab_ids]
 
-    def confidence_logits(self, rows: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
-        """[T] logits of each drafted token's acceptance probability."""
+    def acceptance_logits(self, rows: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """[T] logits of each drafted token's acceptance probability: the confidence head."""
         features = torch.cat([rows, self._prev_embedding(prev).to(rows.dtype)], dim=-1)
         return self.confidence_head.proj(features.to(self.confidence_head.proj.weight.dtype)).squeeze(-1)
 
     def extra_loss(self, rows, out, labels, prev, vocab_ids, weight: float, has_tv: bool, terms=None):
         """The confidence head's binary cross-entropy against the acceptance probability (module doc)."""
         target = (1 - out.tv) if has_tv else out.label_logprob.exp()
-        logits = self.confidence_logits(rows, prev)
+        logits = self.acceptance_logits(rows, prev)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         return weight * F.binary_cross_entropy_with_logits(logits, target.detach().to(logits.dtype).clamp(0, 1),
                                                             reduction="none"), None

@@ -102,7 +102,7 @@ def logits(drafter, seed=0, seq=24, anchors=(3, 9, 15)):
         prev = ids[0, (a[0, :, None] + torch.arange(c.block_size)).reshape(-1)]  # slot k's previous token: a + k
         emb, weight = drafter.logit_bias(prev, None)
         out = out + emb @ weight.T
-        confidence = drafter.confidence_logits(hidden, prev)
+        confidence = drafter.acceptance_logits(hidden, prev)
     return out, confidence
 
 
@@ -326,7 +326,7 @@ def our_logits(drafter, model, batch, anchors):
         if c.arch == "dspark":
             prev = ids[0, (anchors[:, None] + torch.arange(c.block_size)).reshape(-1)]
             emb, weight = drafter.logit_bias(prev, None)
-            out, confidence = out + emb @ weight.T, drafter.confidence_logits(hidden, prev)
+            out, confidence = out + emb @ weight.T, drafter.acceptance_logits(hidden, prev)
     return out, confidence
 
 
