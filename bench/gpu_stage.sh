@@ -21,6 +21,12 @@ R=/tmp/run; P=/tmp/parts; mkdir -p $R $P $R/data
 SETS="eval.prompts=assistant,chitchat,humaneval,synthesized,bench/prompts/requests_s14.jsonl,bench/prompts/chitchat_s14.jsonl"
 log() { echo "[stage $(date +%T)] $*" | tee -a $OUT/stage.log; }
 site() { export PYTHONPATH=/tmp/site; }
+# each line of an arm's log prefixed with the seconds since the arm started (when the line ended): a fresh machine's
+# timeline (target, data, prewarm, first step, training, eval) without timestamps in the trainer's own lines
+stamp() { python3 -u -c 'import sys, time
+t0 = time.time()
+for line in sys.stdin:
+    sys.stdout.write(f"[+{time.time() - t0:6.1f}s] {line}"); sys.stdout.flush()'; }
 case "$1" in
   part0)
     cp gpu/part00 $P/ && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -41,8 +47,8 @@ case "$1" in
     log "arm $name ($(git log -1 --format=%h 2>/dev/null || basename $PWD)): $*"
     nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -lms 500 > $OUT/$name.util.csv &
     smi=$!
-    python3 -m dflash_train train --recipe gpu train.out_dir=$R/runs/$name eval.num_prompts=24 $SETS "$@" > $OUT/$name.log 2>&1
-    rc=$?; kill $smi; log "arm $name rc=$rc"; tail -40 $OUT/$name.log | tee -a $OUT/stage.log >/dev/null
+    python3 -m dflash_train train --recipe gpu train.out_dir=$R/runs/$name eval.num_prompts=24 $SETS "$@" 2>&1 | stamp > $OUT/$name.log
+    rc=${PIPESTATUS[0]}; kill $smi; log "arm $name rc=$rc"; tail -40 $OUT/$name.log | tee -a $OUT/stage.log >/dev/null
     cp $R/runs/$name/eval/report.json $OUT/$name.report.json 2>/dev/null
     [ -d $R/runs/$name/profile ] && cp -r $R/runs/$name/profile $OUT/${name}_profile ;;  # train.profile_steps: summaries, trace.json.gz
   peer|peereval|peerall)
