@@ -278,7 +278,8 @@ def _loop(p: Process, s: Setup, t: Training):
     cfg, topo, progress, budget = p.cfg, p.topo, t.progress, t.budget
     metrics = MetricsLog(p.out_dir, _end(s, budget), progress.step, topo.is_main, cfg.train.tensorboard)
     kernels, compiled = s.kernels, s.kernels.compiled
-    health = CompileHealthWatch(compiled, kernels.backend == "flex", progress.step, metrics.above_bar(p.log), kernels.graphs)
+    health = CompileHealthWatch(compiled, kernels.backend == "flex", progress.step, metrics.above_bar(p.log),
+                                kernels.graphs)
     timer, interval, last_sim = ComputeTimer(p.device), TokenInterval(), None
     undecided = budget.seconds is not None and budget.steps is None  # train.max_minutes still to measure the rate
     profiler = StepProfiler(cfg.train.profile_steps if topo.is_main else 0, p.device, p.out_dir,

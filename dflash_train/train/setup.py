@@ -198,7 +198,8 @@ def step_model(drafter, optimizer, cfg: RunConfig, kernels: Kernels, device, dp_
     """What the step calls: the drafter in the optimizer's parameter dtype, DDP-wrapped and compiled as configured."""
     return parallelize(drafter, device=device, compile_model=kernels.compiled, dp_group=dp_group,
                        num_drafters=num_drafters, param_dtype=param_dtype(optimizer), precision=kernels.precision[0],
-                       compile_mode=kernels.compile_mode, fp8_recipe=cfg.train.fp8_recipe, fp8_filter=cfg.train.fp8_filter, log=log)
+                       compile_mode=kernels.compile_mode, fp8_recipe=cfg.train.fp8_recipe,
+                       fp8_filter=cfg.train.fp8_filter, log=log)
 
 
 def step_context(cfg: RunConfig, target, dcfg: DrafterConfig, drafter, vocab, kernels: Kernels, device, dp_group,
