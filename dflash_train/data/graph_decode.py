@@ -226,10 +226,9 @@ class GraphDecoder:
         return self.select(out.hidden_states), self.pick(out.logits[:, -1]), width
 
     @torch.no_grad()
-    def decode(self, prompts: list[list[int]], max_new_tokens: int):
-        """Responses (up to and including the first stop token), the prompt positions'
-        tensors left-padded ({name: [b, width, D]}), each row's fed response positions ({name: [n - 1, D]}
-        per row: token k's state is computed when it is fed back) and the padded width; on the CPU."""
+    def decode(self, prompts: list[list[int]], max_new_tokens: int, dtype: torch.dtype | None = None):
+        """(responses up to and including the first stop token, {name: [sum of rows' lengths, D]} on the CPU in
+        `dtype` (None: as computed)): each row's kept positions end to end (`packed_rows`)."""
         self._fit(max(len(p) for p in prompts) + max_new_tokens)
         prompt_tensors, first, width = self._prefill(prompts)
         steps = max(min(max_new_tokens, self.cache_len - width + 1), 1)
@@ -248,16 +247,42 @@ class GraphDecoder:
             tokens[:, ran + 1] = self.out["next"]
             done |= torch.isin(self.out["next"], self.stops)
             ran += 1
-        return self._split(prompts, tokens[:len(prompts), :ran + 1].tolist(), prompt_tensors, fed, width)
+        responses = self._responses(tokens[:len(prompts), :ran + 1].tolist())
+        return responses, {name: packed_rows(prompt_tensors[name], fed[name], prompts, responses, dtype).cpu()
+                           for name in prompt_tensors}
 
-    def _split(self, prompts, tokens: list[list[int]], prompt_tensors, fed, width):
+    def _responses(self, tokens: list[list[int]]) -> list[list[int]]:
         stops = set(self.stops.tolist())
         responses = []
         for row in tokens:
             stop = next((i for i, t in enumerate(row) if t in stops), None)
             responses.append(row if stop is None else row[:stop + 1])
-        rows = len(prompts)
-        prompt_cpu = {name: t[:rows].cpu() for name, t in prompt_tensors.items()}
-        fed_cpu = {name: t[:rows, :max((len(r) for r in responses), default=1) - 1].cpu() for name, t in fed.items()}
-        per_row = {name: [t[r, :len(resp) - 1] for r, resp in enumerate(responses)] for name, t in fed_cpu.items()}
-        return responses, prompt_cpu, per_row, width
+        return responses
+
+
+def _ranges(lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(owner, offset) of every element of consecutive ranges of `lengths`: [sum] each."""
+    owner = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    return owner, torch.arange(int(lengths.sum())) - (torch.cumsum(lengths, 0) - lengths)[owner]
+
+
+def packed_rows(prompt: torch.Tensor, fed: torch.Tensor, prompts: list[list[int]], responses: list[list[int]],
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Each row's positions end to end, [sum of len(prompt) + len(response), D], on the tensors' device: its
+    prompt positions (left-padded in prompt [B, width, D]), its fed response positions (fed [B, steps, D]: token
+    k's state is computed when it is fed back, so a response of n tokens has n - 1) and a zero row for the last
+    response token, which is never fed back. Two gathers instead of a tensor per row: the regeneration's host
+    copied every row of a 1024-row batch once to the CPU padded, then again into its own tensor."""
+    width, steps, dim = prompt.shape[1], fed.shape[1], prompt.shape[-1]
+    p_len = torch.tensor([len(p) for p in prompts])
+    f_len = torch.tensor([len(r) - 1 for r in responses])
+    lengths = p_len + f_len + 1
+    starts = torch.cumsum(lengths, 0) - lengths
+    out = torch.zeros(int(lengths.sum()), dim, dtype=dtype or prompt.dtype, device=prompt.device)
+    row, j = _ranges(p_len)
+    src, dst = row * width + width - p_len[row] + j, starts[row] + j
+    out.index_copy_(0, dst.to(out.device), prompt.reshape(-1, dim).index_select(0, src.to(out.device)).to(out.dtype))
+    row, j = _ranges(f_len)
+    src, dst = row * steps + j, starts[row] + p_len[row] + j
+    out.index_copy_(0, dst.to(out.device), fed.reshape(-1, dim).index_select(0, src.to(out.device)).to(out.dtype))
+    return out

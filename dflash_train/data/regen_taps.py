@@ -211,10 +211,11 @@ def _batch_generator(target, encoded, layer_ids, max_new_tokens, batch_size, max
         min(batch_size, len(encoded)), stop_ids, pad, use_graph=target.device.type == "cuda")
 
     def generate(prompts):
-        responses, prompt_tensors, per_row, width = decoder.decode(prompts, max_new_tokens)
-        return [_row(prompt, responses[r], width, {n: t[r] for n, t in prompt_tensors.items()},
-                     {n: rows[r] for n, rows in per_row.items()}, storage_dtype)
-                for r, prompt in enumerate(prompts)]
+        responses, packed = decoder.decode(prompts, max_new_tokens, storage_dtype)
+        lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+        rows = {name: torch.split(t, lengths) for name, t in packed.items()}  # views of the batch's one tensor
+        return [(prompt + response, [0] * len(prompt) + [1] * len(response), {n: rows[n][i] for n in rows})
+                for i, (prompt, response) in enumerate(zip(prompts, responses))]
     return generate
 
 

@@ -150,3 +150,19 @@ def test_cuda_graph_sampling_is_seeded_across_warm_up_and_replays(smollm2_cuda_f
         torch.manual_seed(5)
         draws.append(sampler.decode([prompt] * 8, 16)[0])
     assert draws[0] == draws[1] and len({tuple(r) for r in draws[0]}) > 1
+
+
+def test_packed_rows_equal_a_row_by_row_build():
+    """`packed_rows` against each row built on its own (prompt positions right-aligned in the padded width, the
+    fed positions, a zero row): rows of other prompt widths, a one-token response (nothing fed), dummy rows
+    past the prompts, a cast on the way."""
+    gen = torch.Generator().manual_seed(0)
+    batch, width, steps, dim = 5, 6, 4, 3
+    prompt, fed = torch.randn(batch, width, dim, generator=gen), torch.randn(batch, steps, dim, generator=gen)
+    prompts, responses = [[1] * 6, [2] * 2, [3] * 4], [[7] * 5, [8], [9] * 3]
+    got = graph_decode.packed_rows(prompt, fed, prompts, responses, torch.float64)
+    want = []
+    for r, (p, resp) in enumerate(zip(prompts, responses)):
+        want += [prompt[r, width - len(p):], fed[r, :len(resp) - 1], torch.zeros(1, dim)]
+    torch.testing.assert_close(got, torch.cat(want).double(), rtol=0, atol=0)
+    assert got.dtype == torch.float64 and got.shape[0] == sum(len(p) + len(r) for p, r in zip(prompts, responses))

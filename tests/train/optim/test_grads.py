@@ -181,6 +181,7 @@ def _rank_runs(rank: int, init_file: str, out_dir: str) -> None:
             batches = [micro_batches(step, WORLD)[rank:rank + 1] for step in range(STEPS)]
             results[f"{name}-{master}"] = train(name, master, batches, num_drafters=WORLD, dp_group=None)
         torch.save(results, f"{out_dir}/rank{rank}.pt")
+        dist.barrier()  # no rank tears gloo down while another still sends (a SIGABRT in a fresh-clone suite)
     finally:
         dist.destroy_process_group()
 
