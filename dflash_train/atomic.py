@@ -48,17 +48,21 @@ def write_text(path: str | Path, text: str) -> None:
     write_bytes(path, text.encode())
 
 
-def write_with(path: str | Path, write) -> None:
-    """Atomic version of `write(tmp_path)` for writers that want a path (safetensors, torch.save)."""
+def write_with(path: str | Path, write, durable: bool = True) -> None:
+    """Atomic version of `write(tmp_path)` for writers that want a path (safetensors, torch.save). `durable=False`
+    renames without waiting for the disk: only for a file whose content is checked on every use (a verified
+    cache, `cache.build_once`), which a crash that left it short gets rebuilt instead of read."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _sibling(path)
     try:
         write(tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
+        if durable:
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
-        fsync_dir(path.parent)
+        if durable:
+            fsync_dir(path.parent)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

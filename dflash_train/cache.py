@@ -192,7 +192,10 @@ def build_once(final: str | Path, build: Callable[[Path], None], describe: str, 
                 build(tmp)
                 write_marker(tmp, t0)
         else:
-            atomic.write_with(final, (lambda tmp: _build_recorded(tmp, final, build, log)) if verify else build)
+            # a verified file is hashed on every use, so it need not wait for the disk (the gpu recipe's 15.5 GB of
+            # taps would, on the data phase's critical path)
+            atomic.write_with(final, (lambda tmp: _build_recorded(tmp, final, build, log)) if verify else build,
+                              durable=not verify)
         log(f"cache: built {describe} in {time.time() - t0:.1f} s")
         return True
 

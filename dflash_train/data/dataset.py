@@ -130,7 +130,8 @@ def prepare_tapped(cfg: DataConfig, target, target_name: str, layer_ids: list[in
     path = work_dir / f"tapped-{cache_key(cfg, target_name, seed)}-{'_'.join(map(str, layer_ids))}{suffix}.safetensors"
 
     def build(tmp: Path) -> None:
-        _regenerate_and_tap(cfg, target, target_name, layer_ids, work_dir, seed, log, heartbeat, final_hidden).save(tmp)
+        _regenerate_and_tap(cfg, target, target_name, layer_ids, work_dir, seed, log, heartbeat, final_hidden).save(
+            tmp, durable=False)  # build_once renames it, hashed, into place
 
     if not cache.build_once(path, build, f"regenerated samples and taps {path.name}", directory=False, log=log,
                             verify=True):

@@ -50,3 +50,25 @@ def test_mapped_taps_equal_the_saved_ones_and_share_the_file(tmp_path):
     address = again.taps[0].data_ptr()
     maps = [line.split() for line in open("/proc/self/maps") if line.rstrip().endswith(str(path))]
     assert any(int(m[0].split("-")[0], 16) <= address < int(m[0].split("-")[1], 16) for m in maps)  # the file's pages
+
+
+def test_the_streamed_file_is_what_safetensors_reads(tmp_path):
+    """`write_safetensors` writes a list as its pieces one after the other (no concatenation in memory): safetensors'
+    own reader gives the concatenation, every dtype the file holds, an empty piece and the metadata."""
+    from safetensors import safe_open
+
+    from dflash_train.data.regen_taps import write_safetensors
+
+    g = torch.Generator().manual_seed(1)
+    pieces = [torch.randn(n, 4, generator=g).to(torch.bfloat16) for n in (3, 0, 5, 1)]
+    tensors = {"lengths": torch.tensor([3, 0, 5, 1]), "ids": torch.arange(9, dtype=torch.int32),
+               "mask": torch.tensor([0, 1] * 4 + [1], dtype=torch.uint8), "taps": pieces,
+               "f32": [torch.randn(2, 3, generator=g), torch.randn(4, 3, generator=g)]}
+    path = tmp_path / "s.safetensors"
+    write_safetensors(path, tensors, {"ids": "a\nb"})
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == {"ids": "a\nb"} and set(f.keys()) == set(tensors)
+        for name, t in tensors.items():
+            want = torch.cat(t) if isinstance(t, list) else t
+            got = f.get_tensor(name)
+            assert got.dtype == want.dtype and torch.equal(got, want), name
