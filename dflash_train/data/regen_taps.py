@@ -294,11 +294,11 @@ def regenerate_with_taps(target, conversations, layer_ids: list[int], max_new_to
                          final_hidden: bool = False, graph: bool | None = None) -> tuple[TappedSamples, dict]:
     """Greedy target responses for every conversation's last user turn, with their taps (and the
     final hidden states, for a distillation loss, when `final_hidden`)."""
-    encoded = []
-    for conv in conversations:
-        text = render_chat(target.tokenizer, prompt_messages(conv.messages), add_generation_prompt=True,
-                           thinking=thinking)
-        encoded.append((conv.id, target.tokenizer(text, add_special_tokens=False)["input_ids"]))
+    texts = [render_chat(target.tokenizer, prompt_messages(conv.messages), add_generation_prompt=True,
+                         thinking=thinking) for conv in conversations]
+    # one call: a fast tokenizer encodes a list on all cores (6,000 chit-chat prompts: 4.8 -> 2.4 s on 2 cores)
+    ids = target.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    encoded = [(conv.id, row) for conv, row in zip(conversations, ids)]
     return regenerate_prompts_with_taps(target, encoded, layer_ids, max_new_tokens, batch_size, max_len,
                                         min_loss_tokens, storage_dtype, heartbeat, final_hidden, graph)
 

@@ -2,6 +2,7 @@
 
 import torch
 
+from dflash_train.data.conversations import prompt_messages, render_chat
 from dflash_train.data.records import Conversation
 from dflash_train.data.regen_taps import TappedSamples, regenerate_with_taps
 
@@ -26,6 +27,10 @@ def test_taps_from_generation_equal_a_full_forward(smollm2_target, tmp_path):
         prompt_len = sample.loss_mask.index(1)
         greedy = target.model(ids).logits[0, prompt_len - 1:-1].argmax(-1)
         assert greedy.tolist() == list(sample.input_ids[prompt_len:])
+    for conv, sample in zip(convs, sorted(tapped.samples, key=lambda s: [c.id for c in convs].index(s.id))):
+        text = render_chat(target.tokenizer, prompt_messages(conv.messages), add_generation_prompt=True)
+        alone = target.tokenizer(text, add_special_tokens=False)["input_ids"]  # the prompts are encoded in one call
+        assert list(sample.input_ids[:sample.loss_mask.index(1)]) == alone
     path = tmp_path / "t.safetensors"
     tapped.save(path)
     again = TappedSamples.load(path)
