@@ -114,17 +114,15 @@ RELIABILITY_PNG = "confidence_reliability.png"
 
 def plot(sets: dict[str, dict], path) -> bool:
     """A reliability diagram of every set with a `confidence` summary, written to `path` (PNG); False when
-    there is none (or matplotlib is missing)."""
+    there is none."""
     have = {name: s["confidence"] for name, s in sets.items() if s.get("confidence")}
     if not have:
         return False
-    try:
-        import matplotlib
+    import matplotlib  # local: a heavy import only the plots need (as eval/report.py's)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(5.5, 5))
     ax.plot([0, 1], [0, 1], color="grey", linestyle="--", linewidth=1, label="calibrated")
     for name, c in have.items():

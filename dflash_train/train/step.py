@@ -61,6 +61,11 @@ class StepContext:
     head_weight: float = 1.0  # loss.head_weight
 
     @property
+    def graphs(self) -> bool:
+        """The drafter's forward and backward replay as CUDA graphs (their masks are kept at fixed addresses)."""
+        return self.persistent_masks is not None
+
+    @property
     def block_size(self) -> int:
         return self.drafter.block_size
 
@@ -159,7 +164,7 @@ def train_step(model, optimizer, scheduler, mbs: list[MicroBatch], ctx: StepCont
         last = i == len(mbs) - 1
         sync = model.no_sync() if ddp and not last else contextlib.nullcontext()
         with sync:
-            if ctx.persistent_masks is not None:  # CUDA graphs: this forward's replay may reuse the last one's memory
+            if ctx.graphs:  # this forward's replay may reuse the last one's memory
                 torch.compiler.cudagraph_mark_step_begin()
             stats = forward_stats(model, to_device(mb, ctx.device), ctx, progress)
             # DDP averages the ranks' gradients: x D makes it their sum
