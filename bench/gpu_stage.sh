@@ -14,7 +14,12 @@
 # the arm's report (issue 38: ours >= peer + 0.2 on every set), each in a call of its own; `peerall NAME` does both in
 # one call and builds the data itself where no arm ran yet (an arm run after it reuses them: $R/runs/NAME/data -> $R/data).
 # Each arm samples the GPU's utilisation every 0.5 s into $OUT/NAME.util.csv (is the step waiting on the host?).
-# Steps: part0 | install | census | tests | py SCRIPT [args] (a bench script, its log and JSON under $OUT, named $TAG if set) | arm NAME [overrides...] | curve POINTS [overrides...] | peer NAME | peereval NAME | peerall NAME
+# `bg NAME [overrides...]` starts `dflash-train train` detached (setsid: it outlives the call, so a run longer than one
+# call's 10 minutes needs no stop and resume) from a copy of the tree in /tmp/tree; `watch NAME SECS` waits up to SECS
+# for it, copying its stamped log and GPU utilisation to $OUT: call it back to back (the machine goes back after 30 s
+# idle) until the verdict; `export NAME` returns the exported drafter in 15-MiB parts (cat them here) when the device
+# budget ends before the eval does (session 28: the 20-minute point, `bg m20 --recipe gpu_long`).
+# Steps: part0 | install | census | tests | py SCRIPT [args] (a bench script, its log and JSON under $OUT, named $TAG if set) | arm NAME [overrides...] | curve POINTS [overrides...] | bg NAME [args...] | watch NAME SECS | export NAME | peer NAME | peereval NAME | peerall NAME
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 R=/tmp/run; P=/tmp/parts; mkdir -p $R $P $R/data
@@ -51,6 +56,26 @@ case "$1" in
     rc=${PIPESTATUS[0]}; kill $smi; log "arm $name rc=$rc"; tail -40 $OUT/$name.log | tee -a $OUT/stage.log >/dev/null
     cp $R/runs/$name/eval/report.json $OUT/$name.report.json 2>/dev/null
     [ -d $R/runs/$name/profile ] && cp -r $R/runs/$name/profile $OUT/${name}_profile ;;  # train.profile_steps: summaries, trace.json.gz
+  bg)
+    site; name=$2; shift 2; rm -rf /tmp/tree && cp -r . /tmp/tree && cd /tmp/tree && mkdir -p $R/runs/$name
+    log "bg $name ($(git log -1 --format=%h 2>/dev/null || basename $PWD)): $*"
+    setsid nohup nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -lms 500 \
+      > $R/$name.util.csv 2>&1 < /dev/null &
+    declare -f stamp > $R/stamp.sh
+    setsid nohup bash -c ". $R/stamp.sh; export PYTHONPATH=$PYTHONPATH PYTHONUNBUFFERED=1; python3 -m dflash_train train $* \
+      train.out_dir=$R/runs/$name eval.num_prompts=24 $SETS 2>&1 | stamp > $R/$name.log" > /dev/null 2>&1 < /dev/null &
+    log "bg $name started" ;;
+  watch)
+    name=$2; secs=$3; t0=$(date +%s); log "watch $name up to ${secs}s"
+    while [ $(( $(date +%s) - t0 )) -lt $secs ]; do
+      sleep 5; cp $R/$name.log $R/$name.util.csv $OUT/ 2>/dev/null
+      grep -q "s\] dflash-train train: " $R/$name.log 2>/dev/null && break
+    done
+    cp $R/$name.log $R/$name.util.csv $OUT/ 2>/dev/null; cp $R/runs/$name/eval/report.json $OUT/$name.report.json 2>/dev/null
+    log "watch $name: $(tail -c 300 $R/$name.log 2>/dev/null | tr '\r' '\n' | tail -2 | tr '\n' ' ')"; df -h /tmp | tail -1 >> $OUT/stage.log ;;
+  export)
+    name=$2; e=$R/runs/$name/drafter; log "export $name: $e $(ls -la $e 2>&1 | tr '\n' ' ')"
+    mkdir -p $OUT/export; for f in $e/*; do b=$(basename $f); [ $(stat -c %s $f) -gt 15000000 ] && split -b 15M -d $f $OUT/export/$b.part || cp $f $OUT/export/; done ;;
   peer|peereval|peerall)
     site; step=$1; name=$2; shift 2; S=/tmp/peersite
     mkdir -p $R/runs/$name; [ -e $R/runs/$name/data ] || ln -s $R/data $R/runs/$name/data
