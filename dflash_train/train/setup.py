@@ -370,19 +370,24 @@ def samples_from_shards(cfg: RunConfig, layer_ids: list[int], spec: TapsSpec, lo
 
 
 def eval_batches(samples: list[Sample], num_anchors: int, pad_multiple: int, max_len: int,
-                 max_samples: int = 32) -> list[MicroBatch]:
-    """Held-out micro-batches of one sample each, with deterministic anchors (simulated tau)."""
-    out = []
-    for s in samples[:max_samples]:
-        seq_len = padded_length([len(s)], pad_multiple, max_len)
-        ids = torch.zeros(1, seq_len, dtype=torch.long)
-        mask = torch.zeros(1, seq_len, dtype=torch.long)
-        attn = torch.zeros(1, seq_len, dtype=torch.long)
+                 max_samples: int = 32, per_batch: int = 1) -> list[MicroBatch]:
+    """Held-out micro-batches of `per_batch` samples each (right-padded to the longest of them), with
+    deterministic anchors (simulated tau)."""
+    chosen = samples[:max_samples]
+    return [_eval_batch(chosen[i:i + per_batch], num_anchors, pad_multiple, max_len)
+            for i in range(0, len(chosen), per_batch)]
+
+
+def _eval_batch(group: list[Sample], num_anchors: int, pad_multiple: int, max_len: int) -> MicroBatch:
+    seq_len = padded_length([len(s) for s in group], pad_multiple, max_len)
+    ids, mask, attn = (torch.zeros(len(group), seq_len, dtype=torch.long) for _ in range(3))  # [b, S] each
+    anchors = torch.zeros(len(group), num_anchors, dtype=torch.long)  # [b, N]
+    keep = torch.zeros(len(group), num_anchors, dtype=torch.bool)
+    for row, s in enumerate(group):
         n = min(len(s), seq_len)
-        ids[0, :n], mask[0, :n], attn[0, :n] = torch.tensor(s.input_ids[:n]), torch.tensor(s.loss_mask[:n]), 1
-        anchors, keep = all_anchors(mask[0], num_anchors)
-        out.append(MicroBatch([s.id], ids, mask, attn, anchors[None], keep[None]))
-    return out
+        ids[row, :n], mask[row, :n], attn[row, :n] = torch.tensor(s.input_ids[:n]), torch.tensor(s.loss_mask[:n]), 1
+        anchors[row], keep[row] = all_anchors(mask[row], num_anchors)
+    return MicroBatch([s.id for s in group], ids, mask, attn, anchors, keep)
 
 
 def train_vocab_of(cfg: RunConfig, samples: list[Sample], vocab_size: int, log):

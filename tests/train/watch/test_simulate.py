@@ -12,6 +12,7 @@ from dflash_train.model.drafter.heads.architectures import build_drafter
 from dflash_train.model.drafter.config import drafter_config_from_target
 from dflash_train.model.drafter.backbone import DFlashDrafter
 from dflash_train.model.target.target import Target
+from dflash_train.train.watch import simulate
 from dflash_train.train.watch.simulate import accepted_walk, simulated_walks, simulator
 from dflash_train.train.step import StepContext
 
@@ -86,9 +87,34 @@ def test_walk_reproduces_real_speculative_decoding(block_size, draft_vocab, arch
         assert walk[:-1] == r.accepted[:-1] and len(walk) == len(r.accepted)
         assert walk[-1] <= r.accepted[-1]
     figures = simulator(drafter, target, _ctx(target, drafter), draft_vocab)(pairs)
+    assert len(simulate._groups([(i, p, o) for i, (p, o) in enumerate(pairs)], simulate.SIM_BATCH_TOKENS)) == 1
     walk_steps = [a for w in walks for a in w]
     assert figures["sim_tau"] == pytest.approx(sum(a + 1 for a in walk_steps) / len(walk_steps))
     assert figures["sim_tau_anchors"] == pytest.approx(per_anchor) and 1.0 <= per_anchor <= block_size + 1
+
+
+@pytest.mark.parametrize("arch", ["dflash2", "dspark"])
+def test_batched_walks_equal_one_sequence_at_a_time(arch, monkeypatch):
+    """The walks' batches (right-padded to their longest text) give what one sequence at a time gives, to the
+    count, in float64; a sequence too short to draft keeps its empty walk and its place."""
+    target = _peaked_target()
+    drafter = _drafter(target, 4, arch)
+    g = torch.Generator().manual_seed(3)
+    pairs = [(torch.randint(0, 90, (n,), generator=g).tolist(),
+              [LIKELY[i % 3] if i % 2 else int(t) for i, t in enumerate(torch.randint(0, 90, (m,), generator=g))])
+             for n, m in ((5, 30), (12, 1), (3, 41), (9, 17))]
+    batched = simulated_walks(drafter, target, _ctx(target, drafter), pairs)
+    monkeypatch.setattr(simulate, "SIM_BATCH_TOKENS", 1)  # every sequence alone
+    alone = simulated_walks(drafter, target, _ctx(target, drafter), pairs)
+    assert batched[0] == alone[0] and batched[0][1] == [] and all(batched[0][i] for i in (0, 2, 3))
+    assert batched[1] == pytest.approx(alone[1])
+
+
+def test_groups_keep_the_padded_budget():
+    items = [(i, [0] * p, [1] * o) for i, (p, o) in enumerate([(10, 20), (5, 5), (40, 60), (1, 1), (200, 300)])]
+    groups = simulate._groups(items, 120)  # lengths 30, 10, 100, 2, 500
+    assert [[i for i, _, _ in g] for g in groups] == [[0, 1], [2], [3], [4]]  # 3 x 100 > 120; 2 x 100 > 120
+    assert simulate._groups(items[:2], 60) == [items[:2]] and simulate._groups(items[:2], 59) == [[items[0]], [items[1]]]
 
 
 @pytest.mark.parametrize("arch", ["dflash", "dspark"])
