@@ -156,3 +156,21 @@ def test_a_skipped_cuda_graph_fails_a_run_that_asked_for_graphs():
 def test_fx_flag_scope_matches_this_torch():
     minor = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     assert fx_tracing_flag_scope() == ("per-thread" if minor >= (2, 14) else "process-wide")
+
+
+def test_compile_seconds_split_a_real_compile_by_phase():
+    """A real compile on the CPU: its seconds by phase from Dynamo's timers, the parts within the whole; a call that
+    compiles nothing adds nothing."""
+    from dflash_train.diagnostics.compile_health import CompileSeconds
+
+    torch._dynamo.reset()
+    before = CompileSeconds.snapshot()
+    f = torch.compile(lambda x: (x.sin() * 2).sum())
+    f(torch.randn(8))
+    spent = CompileSeconds.snapshot() - before
+    assert spent.compiling > 0 and 0 < spent.tracing <= spent.compiling and 0 < spent.backend <= spent.compiling
+    assert spent.loading <= spent.backend
+    again = CompileSeconds.snapshot()
+    f(torch.randn(8))
+    assert CompileSeconds.snapshot() - again == CompileSeconds()
+    assert spent.summary().startswith("torch.compile ") and "tracing" in spent.summary()

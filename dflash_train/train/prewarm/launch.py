@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from dflash_train.config import RunConfig
-from dflash_train.diagnostics.compile_health import GraphCacheCounts
+from dflash_train.diagnostics.compile_health import CompileSeconds, GraphCacheCounts
 from dflash_train.train.optim.optimizer import keeps_float32_masters
 from dflash_train.train.parallel.parallelize import resolve_compile
 
@@ -211,7 +211,7 @@ class FirstStep:
     def wait_for_prewarm(self, heartbeat=None) -> None:
         if self.prewarm is not None:
             self.waited = self.prewarm.finish(heartbeat)
-        self.before, self.t0 = GraphCacheCounts.snapshot(), time.perf_counter()
+        self.before, self.t0 = (GraphCacheCounts.snapshot(), CompileSeconds.snapshot()), time.perf_counter()
 
     def report(self) -> None:
         """After each step; speaks once, after the first."""
@@ -221,4 +221,5 @@ class FirstStep:
         if not self.compiled:
             return
         waited = f" after {self.waited:.1f} s waiting for the compile prewarm" if self.prewarm is not None else ""
-        self.log(f"first step {seconds:.1f} s{waited}: {(GraphCacheCounts.snapshot() - self.before).summary()}")
+        graphs, spent = GraphCacheCounts.snapshot() - self.before[0], CompileSeconds.snapshot() - self.before[1]
+        self.log(f"first step {seconds:.1f} s{waited}: {graphs.summary()}; {spent.summary()}")

@@ -4,6 +4,7 @@ line and changes nothing, and the dummy batches it compiles on have the shapes t
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -83,6 +84,8 @@ def test_the_first_step_loads_the_prewarmed_graphs_and_trains_as_a_run_that_comp
     assert graphs >= 3  # the drafter's forward and backward, the loss chunk
     assert f"waiting for the compile prewarm: {graphs} of {graphs} graphs from inductor's FX-graph cache " \
            "(0 compiled here)" in warm_log
+    first_step = re.search(r"first step [0-9.]+ s .*", warm_log).group(0)
+    assert "; torch.compile " in first_step and " tracing " in first_step  # where its seconds went
     assert "compile prewarm: FAILED (exit 1)" in cold_log and "a and b must have same reduction dim" in cold_log
     assert "the first step compiles as before" in cold_log
     assert f"0 of {graphs} graphs from inductor's FX-graph cache ({graphs} compiled here)" in cold_log
