@@ -379,7 +379,8 @@ def _held_out(p: Process, t: Training, metrics: MetricsLog, step: int, final: bo
     with p.watchdog.stage("held-out simulated tau"):
         last_sim = simulated_tau(t.drafter, t.held_out, t.ctx)
     spent = time.perf_counter() - start
-    metrics.log({"step": step, "seconds": round(t.budget.elapsed(), 1), "eval": last_sim, "eval_seconds": round(spent, 3)})
+    metrics.log({"step": step, "seconds": round(t.budget.elapsed(), 1), "eval": last_sim,
+                 "eval_seconds": round(spent, 3)})
     metrics.write(f"step {step}: held-out simulated tau {last_sim['sim_tau']:.3f} ({len(t.held_out)} samples in "
                   f"{spent:.2f} s), acc {fmt_values(last_sim['acc'])}")
     return last_sim
