@@ -123,7 +123,8 @@ def gpu() -> RunConfig:
 def gpu_long() -> RunConfig:
     """The best drafter one GPU gives in about half an hour end to end: the `gpu` recipe with three times the
     prompts (45,000: the default corpus's 9,000, 3,150 code requests and 32,850 written by the target itself)
-    and 20 training minutes; eval on the same four domains (not yet run: docs/LOG.md).
+    and 20 training minutes; eval on the same four domains (not yet run: docs/LOG.md, session 28, says how it
+    fits one device session: `bench/gpu_stage.sh bg` runs it detached from the calls).
 
     Sized from the `gpu` recipe's measured rates on one H200 (docs/LOG.md): synthesis 7,500 prompts in 15 s
     and regeneration + taps 15,000 in 37 s (session 10), so ~3.5 minutes of data here (more written prompts

@@ -386,5 +386,5 @@ class CompileSeconds:
 
     def summary(self) -> str:
         """'torch.compile 2.9 s of it: tracing 1.0 s, backend 1.8 s (loading compiled modules 1.6 s)'."""
-        return (f"torch.compile {self.compiling:.1f} s of it: tracing {self.tracing:.1f} s, backend {self.backend:.1f} s "
-                f"(loading compiled modules {self.loading:.1f} s)")
+        return (f"torch.compile {self.compiling:.1f} s of it: tracing {self.tracing:.1f} s, "
+                f"backend {self.backend:.1f} s (loading compiled modules {self.loading:.1f} s)")

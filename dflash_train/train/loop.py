@@ -166,7 +166,7 @@ def _prepare(p: Process) -> tuple[Process, Setup]:
     if kernels.compiled and data.stored is None and topo.runs_target_forward:
         target.compile_layers()  # the target computes taps every step: fuse its elementwise work
     held_out = setup.eval_batches(data.held_out, cfg.eval.sim_anchors_per_seq, kernels.pad_multiple(cfg.data.max_len),
-                                  cfg.data.max_len)
+                                  cfg.data.max_len, per_batch=cfg.train.micro_batch)  # a batch the step's memory holds
     feed = Feed(data.train, setup.batch_plan(cfg, topo.num_drafters), setup.collate_args(cfg, kernels), held_out, spec,
                 cfg.train.seed)
     total_steps = setup.total_steps_of(cfg, feed.sampler().steps_per_epoch)
@@ -381,7 +381,8 @@ def _held_out(p: Process, t: Training, metrics: MetricsLog, step: int, final: bo
     spent = time.perf_counter() - start
     metrics.log({"step": step, "seconds": round(t.budget.elapsed(), 1), "eval": last_sim,
                  "eval_seconds": round(spent, 3)})
-    metrics.write(f"step {step}: held-out simulated tau {last_sim['sim_tau']:.3f} ({len(t.held_out)} samples in "
+    samples = sum(len(mb.ids) for mb in t.held_out)
+    metrics.write(f"step {step}: held-out simulated tau {last_sim['sim_tau']:.3f} ({samples} samples in "
                   f"{spent:.2f} s), acc {fmt_values(last_sim['acc'])}")
     return last_sim
 

@@ -67,7 +67,7 @@ class Feed:
     samples: list[Sample]
     plan: BatchPlan
     collate: CollateArgs
-    held_out: list[MicroBatch]  # one sample each, deterministic anchors (simulated tau)
+    held_out: list[MicroBatch]  # train.micro_batch samples each, deterministic anchors (simulated tau)
     spec: TapsSpec
     seed: int
 
@@ -131,8 +131,11 @@ class StoredSource(SampledSource):
         return epoch, mbs
 
     def held_out(self) -> list[MicroBatch]:
-        for i, mb in enumerate(self.feed.held_out):  # in order: held-out micro-batch i is held-out sample i
-            mb.from_target = self.held_out_rows.padded([i], mb.input_ids.shape[1], self.feed.spec, self.pinned)
+        first = 0  # in order: the held-out micro-batches hold the held-out samples 0, 1, ... in turn
+        for mb in self.feed.held_out:
+            rows = list(range(first, first + len(mb.ids)))
+            mb.from_target = self.held_out_rows.padded(rows, mb.input_ids.shape[1], self.feed.spec, self.pinned)
+            first += len(mb.ids)
         return self.feed.held_out
 
 

@@ -114,7 +114,8 @@ def test_groups_keep_the_padded_budget():
     items = [(i, [0] * p, [1] * o) for i, (p, o) in enumerate([(10, 20), (5, 5), (40, 60), (1, 1), (200, 300)])]
     groups = simulate._groups(items, 120)  # lengths 30, 10, 100, 2, 500
     assert [[i for i, _, _ in g] for g in groups] == [[0, 1], [2], [3], [4]]  # 3 x 100 > 120; 2 x 100 > 120
-    assert simulate._groups(items[:2], 60) == [items[:2]] and simulate._groups(items[:2], 59) == [[items[0]], [items[1]]]
+    assert simulate._groups(items[:2], 60) == [items[:2]]
+    assert simulate._groups(items[:2], 59) == [[items[0]], [items[1]]]
 
 
 @pytest.mark.parametrize("arch", ["dflash", "dspark"])
