@@ -68,6 +68,15 @@ def add_shape_args(p, device: bool = True) -> None:
     p.add_argument("--seq-len", type=int, help="S (default 3072; 256 with --small)")
 
 
+def add_target_set_args(p, small: str) -> None:
+    """--small (`small` says what it shrinks to), --device, --target and --sets: the options of the benches that run
+    the real target on the eval's prompt sets."""
+    p.add_argument("--small", action="store_true", help=small)
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda")
+    p.add_argument("--target", default="smollm2", help="target.model: `smollm2`, an HF dir or a .gguf file")
+    p.add_argument("--sets", default="assistant,chitchat", help="eval.prompts: set names or JSONL paths")
+
+
 def fill_shape_defaults(a):
     a.block_size = a.block_size or (8 if a.small else 16)
     a.anchors = a.anchors or (16 if a.small else 512)

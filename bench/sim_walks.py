@@ -36,10 +36,7 @@ from dflash_train.train.watch import simulate  # noqa: E402
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--small", action="store_true", help="4 prompts of one set, 1 drafter layer, 16 new tokens")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    p.add_argument("--target", default="smollm2", help="target.model: `smollm2`, an HF dir or a .gguf file")
-    p.add_argument("--sets", default="assistant,chitchat", help="eval.prompts: set names or JSONL paths")
+    C.add_target_set_args(p, "4 prompts of one set, 1 drafter layer, 16 new tokens")
     p.add_argument("--num-prompts", type=int, default=24)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--layers", type=int, default=6, help="drafter layers (the gpu recipe: 6)")

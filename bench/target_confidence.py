@@ -33,10 +33,7 @@ LOW, HIGH = 0.5, 0.95  # top-1 probability bands reported
 
 def parse(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--small", action="store_true", help="2 prompts of one set, 8 new tokens")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda")
-    p.add_argument("--target", default="smollm2", help="target.model: `smollm2`, an HF dir or a .gguf file")
-    p.add_argument("--sets", default="assistant,chitchat", help="eval.prompts: set names or JSONL paths")
+    C.add_target_set_args(p, "2 prompts of one set, 8 new tokens")
     p.add_argument("--num-prompts", type=int, default=24, help="prompts per set (the eval's default recipe: 24)")
     p.add_argument("--new-tokens", type=int, default=64, help="greedy tokens per prompt (the eval's max_new_tokens)")
     p.add_argument("--report", help="a run's eval/report.json: its tau per set printed beside")
