@@ -27,7 +27,9 @@ def test_taps_from_generation_equal_a_full_forward(smollm2_target, tmp_path):
         prompt_len = sample.loss_mask.index(1)
         greedy = target.model(ids).logits[0, prompt_len - 1:-1].argmax(-1)
         assert greedy.tolist() == list(sample.input_ids[prompt_len:])
-    for conv, sample in zip(convs, sorted(tapped.samples, key=lambda s: [c.id for c in convs].index(s.id))):
+    by_id = {s.id: s for s in tapped.samples}
+    assert by_id
+    for conv, sample in ((c, by_id[c.id]) for c in convs if c.id in by_id):
         text = render_chat(target.tokenizer, prompt_messages(conv.messages), add_generation_prompt=True)
         alone = target.tokenizer(text, add_special_tokens=False)["input_ids"]  # the prompts are encoded in one call
         assert list(sample.input_ids[:sample.loss_mask.index(1)]) == alone

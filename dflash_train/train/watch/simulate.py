@@ -129,7 +129,8 @@ def simulated_walks(drafter, target, ctx: StepContext, sequences: list[tuple[lis
                        for i, prompt, out in group]
             # every eligible anchor: they lie in the outputs, at most len(out) - 1 of them a row
             most = max(len(out) for _, _, out in group)
-            (mb,) = setup.eval_batches(samples, most, 1, max(map(len, samples)), len(samples), len(samples))
+            (mb,) = setup.eval_batches(samples, num_anchors=most, pad_multiple=1, max_len=max(map(len, samples)),
+                                       max_samples=len(samples), per_batch=len(samples))  # the group: one batch
             mb.from_target = target_tensors(target, layer_ids, mb, ctx.device, spec)
             accepted, has_label = anchor_acceptance(drafter, to_device(mb, ctx.device), eval_ctx, head, confidence)
             accepted, has_label = accepted.cpu(), has_label.cpu()  # [b, N] each: one device read a group
