@@ -353,7 +353,7 @@ def _decide_budget(p: Process, t: Training, metrics: MetricsLog, step: int) -> N
         t.budget.record(_agree_min(decided, t.ctx))
         metrics.set_total(t.budget.steps)  # the bar's total and ETA follow the decision, not the epoch count
         metrics.write(f"step {step}: train.max_minutes={p.cfg.train.max_minutes} allows {t.budget.steps} steps at "
-                      f"the measured rate (recorded; the lr's cosine ends there)")
+                      f"the measured rate (recorded; the lr's cosine ends there){t.budget.epochs_cap()}")
 
 
 def _revise_budget(p: Process, t: Training, metrics: MetricsLog, step: int) -> None:
@@ -368,7 +368,8 @@ def _revise_budget(p: Process, t: Training, metrics: MetricsLog, step: int) -> N
         metrics.set_total(after)
     if abs(after - before) >= max(1, before // 100):  # said when it moves by 1 % or more (a checkpoint can be 20 steps)
         metrics.write(f"step {step}: train.max_minutes={p.cfg.train.max_minutes} allows {after} steps, not {before}, "
-                      f"at the rate so far with its held-out evals and checkpoints (recorded; the cosine ends there)")
+                      f"at the rate so far with its held-out evals and checkpoints (recorded; the cosine ends there)"
+                      f"{t.budget.epochs_cap()}")
 
 
 def _held_out(p: Process, t: Training, metrics: MetricsLog, step: int, final: bool, last_sim):

@@ -155,6 +155,27 @@ def test_a_budget_revises_only_after_its_decision_and_never_below_the_next_step(
     assert resumed.revise(540) == 540 + 20  # 0.5 s per step since step 510; 30 + 20 s spent, 10 s left
 
 
+def test_a_budget_says_when_the_epochs_not_the_minutes_end_the_run(monkeypatch):
+    """Session 29's 20-minute run on 30,000 prompts: its 30 epochs were done at 19.0 of its 20 minutes, and the
+    line said only "allows 26580 steps". The epochs' cap is now named with the steps the clock would allow."""
+    clock = FakeClock()
+    monkeypatch.setattr("dflash_train.train.optim.optimizer.time.perf_counter", clock)
+    capped = TimeBudget(1.0, total_steps=40, decide_after=3)  # 60 s at 1 s a step: the clock allows 60 steps
+    clocked = TimeBudget(1.0, total_steps=400, decide_after=3)
+    for budget in (capped, clocked):
+        budget.start(step=0)
+        assert budget.epochs_cap() == ""  # nothing decided yet
+        for step in range(1, 4):
+            clock.now += 1.0
+            decided = budget.propose(step)
+        budget.record(decided)
+    assert capped.steps == 40 and "train.epochs caps it (the minutes would allow 60)" in capped.epochs_cap()
+    assert "~67% of its minutes" in capped.epochs_cap()
+    assert clocked.steps == 60 and clocked.epochs_cap() == ""  # the clock sets this one
+    capped.record(30)  # another drafter rank proposed fewer: the clock, not the epochs, set the agreed count
+    assert capped.epochs_cap() == ""
+
+
 # --- MasterWeightAdamW: bf16 parameters, float32 masters -----------------------------------------
 
 def _float32_module(seed: int = 0) -> torch.nn.Module:
