@@ -123,17 +123,18 @@ def gpu() -> RunConfig:
 def gpu_long() -> RunConfig:
     """The best drafter one GPU gives in about half an hour end to end: the `gpu` recipe with three times the
     prompts (45,000: the default corpus's 9,000, 3,150 code requests and 32,850 written by the target itself)
-    and 20 training minutes; eval on the same four domains (not yet run: docs/LOG.md, session 28, says how it
-    fits one device session: `bench/gpu_stage.sh bg` runs it detached from the calls).
+    and 20 training minutes; eval on the same four domains.
 
-    Sized from the `gpu` recipe's measured rates on one H200 (docs/LOG.md): synthesis 7,500 prompts in 15 s
-    and regeneration + taps 15,000 in 37 s (session 10), so ~3.5 minutes of data here (more written prompts
-    are dropped as near-duplicates at this count: session 9 sampled 18,432 for 15,000); DSpark ~540 steps a
-    minute (issue 38: 1,879 steps in 3.5 minutes), so ~10,800 steps expected, about 8 passes over the data where the
-    recipe makes 4; GGUF conversion ~0.5 and start-up and compilation ~1.2 minutes; the eval of 8 prompts per
-    set ~2.5 minutes: ~28 minutes in all. The prompts stop at 45,000 because the regenerate + tap cache
-    holds ~1 MB per sample (15 GB for the recipe's 15,000): 47 GB here, on the 64 GiB disk of a one-GPU
-    machine. bench/curve.py measures it as the 20-minute point of the recipe's curve (3.5, 10 and 20 minutes)."""
+    Measured on one H100 (docs/LOG.md, session 29) with 30,000 prompts (the device session's budget left no
+    room for 45,000): synthesis of 18,000 in 41 s, regeneration + taps of 30,000 in 56 s (46K new tok/s), the
+    31 GB tapped file written and hashed in ~26 s, moved to the GPU in 6 s; training from 197 s, 23 steps/s;
+    the eval of 6 sets x 24 prompts in 62 s; 1,398 s in all. On 30,000 prompts the 30 epochs ended the run at
+    19.0 of its 20 minutes (26,580 steps) and the held-out tau peaked at 85 % of them: the 45,000 here give
+    ~21 epochs in the minutes. Scaled from those rates (an estimate, not measured), this recipe trains from
+    ~280 s and ends at ~26 minutes. The regenerate + tap cache holds ~1 MB per sample: 47 GB here, on the 64 GiB disk of a one-GPU
+    machine, and the taps stay in host memory on an 80 GB card (data.taps_device=auto: over 60 % of its free
+    memory). bench/curve.py measures it as the 20-minute point of the recipe's curve (3.5, 10 and 20 minutes);
+    `bench/gpu_stage.sh bg` runs it detached from the device calls."""
     base = gpu()
     return replace(
         base,
