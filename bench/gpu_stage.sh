@@ -17,7 +17,7 @@
 # `bg NAME [overrides...]` starts `dflash-train train` detached (setsid: it outlives the call, so a run longer than one
 # call's 10 minutes needs no stop and resume) from a copy of the tree in /tmp/tree; `watch NAME SECS` waits up to SECS
 # for it, copying its stamped log and GPU utilisation to $OUT: call it back to back (the machine goes back after 30 s
-# idle) until the verdict; `export NAME` returns the exported drafter in 15-MiB parts (cat them here) when the device
+# idle) until the verdict; `export NAME [FROM]` returns the exported drafter in 15-MiB parts (cat them here) when the device
 # budget ends before the eval does (session 28: the 20-minute point, `bg m20 --recipe gpu_long`).
 # Steps: part0 | install | census | tests | py SCRIPT [args] (a bench script, its log and JSON under $OUT, named $TAG if set) | arm NAME [overrides...] | curve POINTS [overrides...] | bg NAME [args...] | watch NAME SECS | export NAME | peer NAME | peereval NAME | peerall NAME
 set -uo pipefail
@@ -74,8 +74,13 @@ case "$1" in
     cp $R/$name.log $R/$name.util.csv $OUT/ 2>/dev/null; cp $R/runs/$name/eval/report.json $OUT/$name.report.json 2>/dev/null
     log "watch $name: $(tail -c 300 $R/$name.log 2>/dev/null | tr '\r' '\n' | tail -2 | tr '\n' ' ')"; df -h /tmp | tail -1 >> $OUT/stage.log ;;
   export)
-    name=$2; e=$R/runs/$name/drafter; log "export $name: $e $(ls -la $e 2>&1 | tr '\n' ' ')"
-    mkdir -p $OUT/export; for f in $e/*; do b=$(basename $f); [ $(stat -c %s $f) -gt 15000000 ] && split -b 15M -d $f $OUT/export/$b.part || cp $f $OUT/export/; done ;;
+    # a call returns at most 8 files and 64 MiB: `export NAME 0` returns the first 4 parts of 15 MiB with the small files
+    # and the sha256, `export NAME 4` the next 4 and so on (session 29: a 96 MB drafter in two calls); cat them here
+    name=$2; from=${3:-0}; e=$R/runs/$name/drafter; log "export $name from part $from: $(ls -la $e 2>&1 | tr '\n' ' ')"
+    mkdir -p $OUT/export $R/parts_$name; [ -e $R/parts_$name/done ] || { split -b 15M -d -a 2 $e/model.safetensors \
+      $R/parts_$name/model.safetensors.part && sha256sum $e/model.safetensors > $R/parts_$name/done; }
+    [ $from -eq 0 ] && cp $e/*.json $R/parts_$name/done $OUT/export/
+    ls $R/parts_$name/model.safetensors.part* | tail -n +$((from + 1)) | head -4 | xargs -I{} cp {} $OUT/export/ ;;
   peer|peereval|peerall)
     site; step=$1; name=$2; shift 2; S=/tmp/peersite
     mkdir -p $R/runs/$name; [ -e $R/runs/$name/data ] || ln -s $R/data $R/runs/$name/data
