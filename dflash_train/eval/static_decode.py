@@ -17,7 +17,12 @@ verify width` (`graph_decode.bucket_length`), one set of buffers is kept for the
 
 On CUDA the cycle (draft + verify + acceptance + context append) and the plain step are each replayed
 as one CUDA graph per bucket (`graph_decode.CapturedStep`, captured after the bucket's first step ran
-eagerly). Greedy only (sampled decoding keeps `spec_decode`'s loops), batch 1, the drafter on the
+eagerly), and so is the prefill, per bucket, prompt length rounded up to 64 and kind (with the taps and the
+drafter's context, or plain): the prompt right-padded in a fixed buffer, the logits of its last real
+position alone (`logits_to_keep` as a device index). The padded slots of the cache and the context are
+hidden by the masks above (past the verified length) and written over by the steps. Eager, the prefills
+were 10.9 of the eval's 62.2 s on an H100 (docs/LOG.md, session 29: ~1,560 kernel launches a forward);
+on the CPU the prompt is not padded (padding there is compute, not launches saved). Greedy only (sampled decoding keeps `spec_decode`'s loops), batch 1, the drafter on the
 target's device, targets whose layers all attend fully (`graph_decode.supports`). Outputs equal
 `spec_decode`'s token for token in float32 on the CPU (tests/eval/test_static_decode.py).
 """
@@ -25,7 +30,7 @@ target's device, targets whose layers all attend fully (`graph_decode.supports`)
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -59,6 +64,15 @@ class _Bucket:
     ctx_kv: list[tuple[torch.Tensor, torch.Tensor]]
     cycle: CapturedStep
     plain: CapturedStep
+    prefills: dict = field(default_factory=dict)  # (padded prompt length, taps) -> _Prefill
+
+
+@dataclass
+class _Prefill:
+    """A padded prompt length's input buffer and captured prefill."""
+
+    ids: torch.Tensor  # [1, padded length]
+    step: CapturedStep
 
 
 class StaticDecoder:
@@ -80,6 +94,8 @@ class StaticDecoder:
         self.first_out = torch.zeros((), dtype=long, device=dev)  # output index of the token after the anchor
         self.out = torch.zeros(1 + self.width, dtype=long, device=dev)  # [acc, the verify's argmaxes]
         self.gaps = torch.zeros(max_new_tokens + self.width + 1, dtype=torch.float32, device=dev)
+        self.last = torch.zeros(1, dtype=long, device=dev)  # the prompt's last real position (padded prefills)
+        self.pad_prefill = self.use_graph  # captured prefills of padded prompts (tests set it on the CPU)
         self.buckets: dict[int, _Bucket] = {}
         self.bucket: _Bucket | None = None
 
@@ -194,16 +210,38 @@ class StaticDecoder:
 
     def _prefill(self, prompt_ids: torch.Tensor, taps: bool) -> None:
         """The prompt into the bucket's cache (and the drafter's context); the first token as the anchor."""
-        self.bucket = self._fit(prompt_ids.shape[1])
+        n = prompt_ids.shape[1]
+        self.bucket = self._fit(n)
         self.bucket.cache.reset()
         self.length.zero_()
-        logits, tapped = self._target(prompt_ids, taps=taps, keep=1)
+        if self.pad_prefill:
+            padded = self._padded_prefill(n, taps)
+            padded.ids[:, :n].copy_(prompt_ids)
+            padded.ids[:, n:].zero_()  # any token: the padded positions come after the prompt's, which never see them
+            self.last.fill_(n - 1)
+            padded.step()
+        else:
+            self._prefill_forward(prompt_ids, taps, keep=1)
+        self.first_out.fill_(1)
+        self.length.fill_(n)
+
+    def _padded_prefill(self, prompt_len: int, taps: bool) -> _Prefill:
+        padded_len = bucket_length(prompt_len)
+        key = (padded_len, taps)
+        if key not in self.bucket.prefills:
+            ids = torch.zeros(1, padded_len, dtype=torch.long, device=self.device)
+            step = CapturedStep(lambda: self._prefill_forward(ids, taps, keep=self.last), self.use_graph, "eval")
+            self.bucket.prefills[key] = _Prefill(ids, step)
+        return self.bucket.prefills[key]
+
+    def _prefill_forward(self, ids: torch.Tensor, taps: bool, keep) -> None:
+        """The target over `ids` from position 0, its taps into the drafter's context; the anchor and its gap
+        from the logits kept (`keep`: 1, the last row, or a device index [1] of the last real position)."""
+        logits, tapped = self._target(ids, taps=taps, keep=keep)
         if taps:
             self._append_context(tapped)
         self.anchor.copy_(logits[-1:].argmax(-1))
-        self.gaps[0] = top2_gap(logits[-1:])[0]
-        self.first_out.fill_(1)
-        self.length.fill_(prompt_ids.shape[1])
+        self.gaps[:1].copy_(top2_gap(logits[-1:]))
 
     @torch.no_grad()
     def speculative(self, prompt_ids: torch.Tensor, max_new_tokens: int, eos_ids) -> SpecResult:

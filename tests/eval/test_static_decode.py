@@ -63,6 +63,25 @@ def test_every_head_decodes_as_the_dynamic_loop(qwen3, prompts, arch):
             assert decoder.plain(prompt, 24, []).tokens == plain.tokens
 
 
+@pytest.mark.parametrize("arch", sorted(HEADS))
+def test_padded_prefills_decode_as_the_exact_length_ones(qwen3, prompts, arch):
+    """The GPU's prefills run right-padded to 64 tokens (so one captured graph serves every prompt of a length
+    bucket): the padded positions must change nothing, neither the target's cache and logits nor the drafter's
+    context, for any head. On the CPU the exact-length prefill stays the default."""
+    drafter = _drafter(qwen3, arch, 4)
+    exact, padded = _decoder(qwen3, drafter, 4, 24), _decoder(qwen3, drafter, 4, 24)
+    assert not exact.pad_prefill
+    padded.pad_prefill = True
+    for prompt in prompts + prompts[:1]:  # the last: a padded prefill buffer used again
+        a, b = padded.speculative(prompt, 24, []), exact.speculative(prompt, 24, [])
+        assert a.tokens == b.tokens and a.accepted == b.accepted
+        assert a.gaps == pytest.approx(b.gaps, abs=1e-9)
+        assert padded.plain(prompt, 24, []).tokens == exact.plain(prompt, 24, []).tokens
+    keys = sorted(k for bucket in padded.buckets.values() for k in bucket.prefills)
+    assert keys == [(64, False), (64, True), (128, False), (128, True)]  # prompts of 5, 11 and 70 tokens
+    assert not any(bucket.prefills for bucket in exact.buckets.values())
+
+
 def test_a_draft_vocabulary_drafts_as_in_the_dynamic_loop(qwen3, prompts):
     drafter = _drafter(qwen3, "dspark", 4)
     vocab = torch.arange(0, 97, 2)  # every other token
@@ -119,6 +138,7 @@ def test_cuda_graph_replays_equal_the_eager_fixed_shape_steps(arch):
         assert a.tokens == b.tokens and a.accepted == b.accepted
         assert graphs.plain(prompt, 40, []).tokens == eager.plain(prompt, 40, []).tokens
     assert all(bucket.cycle.graph is not None and bucket.plain.graph is not None for bucket in graphs.buckets.values())
+    assert all(p.step.graph is not None for bucket in graphs.buckets.values() for p in bucket.prefills.values())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
