@@ -233,7 +233,7 @@ def _decode_sets(drafter, target, encoded: dict, settings: dict, seed: int, prog
     opts = {**settings, "dtype": dtype,
             "draft_head": DraftHead.of(target.lm_head_weight, draft_vocab, drafter.config.scaling, rows)}
     opts["static"], opts["decoder_note"] = _static_decoder(decoder, drafter, target, opts)
-    if warmup:  # the first prompt; with the fixed-shape decoder, one of each length bucket (its graphs' capture)
+    if warmup:  # the first prompt; with the fixed-shape decoder, one of each bucket and padded prefill (captures)
         for ids in _warm_up_prompts(encoded, opts["static"]):
             _decode_both(drafter, target, ids, opts, seed)
     t0 = time.perf_counter()
@@ -247,7 +247,7 @@ def _warm_up_prompts(encoded: dict, static: StaticDecoder | None) -> list[torch.
         return prompts[:1]
     firsts = {}
     for ids in prompts:
-        firsts.setdefault(static.bucket_of(ids.shape[1]), ids)
+        firsts.setdefault(static.shapes_of(ids.shape[1]), ids)
     return list(firsts.values())
 
 

@@ -105,6 +105,11 @@ class StaticDecoder:
         """The cache length a prompt of this many tokens decodes in (one set of buffers and graphs each)."""
         return bucket_length(prompt_len + self.max_new + self.width)
 
+    def shapes_of(self, prompt_len: int) -> tuple[int, int | None]:
+        """The fixed shapes a prompt of this many tokens decodes in: its bucket and, where prefills are padded, its
+        padded length (a prompt of each pair of them captures every graph it needs: the eval's warm-up)."""
+        return self.bucket_of(prompt_len), bucket_length(prompt_len) if self.pad_prefill else None
+
     def _fit(self, prompt_len: int) -> _Bucket:
         length = self.bucket_of(prompt_len)
         if length not in self.buckets:

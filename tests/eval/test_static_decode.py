@@ -82,6 +82,19 @@ def test_padded_prefills_decode_as_the_exact_length_ones(qwen3, prompts, arch):
     assert not any(bucket.prefills for bucket in exact.buckets.values())
 
 
+def test_the_eval_warms_up_one_prompt_of_each_bucket_and_padded_length(qwen3):
+    """So that every graph is captured before the timed decode: a bucket holds prompts of two padded lengths."""
+    from dflash_train.eval.evaluate import _warm_up_prompts
+
+    decoder = _decoder(qwen3, _drafter(qwen3, "dflash", 4), 4, 24)  # a cache of prompt + 24 + 5 slots
+    sets = {"a": [torch.zeros(1, n, dtype=torch.long) for n in (5, 11, 60)], "b": [torch.zeros(1, 70, dtype=torch.long)]}
+    assert [ids.shape[1] for ids in _warm_up_prompts(sets, decoder)] == [5, 60]  # buckets 64 and 128
+    decoder.pad_prefill = True
+    assert decoder.shapes_of(60) == (128, 64) and decoder.shapes_of(70) == (128, 128)
+    assert [ids.shape[1] for ids in _warm_up_prompts(sets, decoder)] == [5, 60, 70]
+    assert [ids.shape[1] for ids in _warm_up_prompts(sets, None)] == [5]  # the dynamic loops: the first prompt
+
+
 def test_a_draft_vocabulary_drafts_as_in_the_dynamic_loop(qwen3, prompts):
     drafter = _drafter(qwen3, "dspark", 4)
     vocab = torch.arange(0, 97, 2)  # every other token
