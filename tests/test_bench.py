@@ -44,6 +44,7 @@ CASES = {
     "taps_gather": ([sys.executable, "bench/taps_gather.py"], ["per_sample_ms", "packed_host_ms", "speedup_host"]),
     "target_confidence": ([sys.executable, "bench/target_confidence.py"], ["chitchat_mean_top1", "chitchat_argmax_agrees"]),
     "sim_walks": ([sys.executable, "bench/sim_walks.py"], ["seconds", "sim_tau"]),
+    "checkpoint_write": ([sys.executable, "bench/checkpoint_write.py"], ["caller_s", "background_s", "ratio"]),
     "pipeline": (TORCHRUN + ["bench/pipeline.py"],
                  ["tokens_per_s", "drafter_busy_fraction", "target_busy_fraction", "drafter_capacity_tok_s",
                   "target_capacity_tok_s"]),

@@ -402,8 +402,8 @@ def _checkpoint(p: Process, s: Setup, t: Training, metrics: MetricsLog, meta: di
     with p.watchdog.stage("checkpoint"), p.watch.holding():
         progress.seconds = t.budget.elapsed()
         sim_tau = last_sim["sim_tau"] if _eval_due(p, step, final) else None
-        path = s.checkpointer.save(step, t.weights, t.states, meta, sim_tau=sim_tau)
-    metrics.write(f"step {step}: checkpoint {path}")
+        path = s.checkpointer.save(step, t.weights, t.states, meta, sim_tau=sim_tau, background_write=not final)
+    metrics.write(f"step {step}: checkpoint {path}{'' if final else ' (written beside the training)'}")
 
 
 def _check_finite(guard: BadStepGuard, s: Setup) -> None:

@@ -49,9 +49,10 @@ from torch.distributed.checkpoint.stateful import Stateful
 from dflash_train import atomic
 from dflash_train.model.drafter.export.draft_vocab import load_draft_vocab
 from dflash_train.model.drafter.export.hf_format import (NonFiniteWeights, is_export, load_zlab, non_finite_weights,
-                                                         save_zlab)
+                                                         save_zlab, write_dir, zlab_files)
 from dflash_train.model.drafter.export.export import export_drafter
 from dflash_train.train.optim.optimizer import full_precision_weights
+from dflash_train.train.state import background
 
 
 def rng_state() -> dict:
@@ -123,6 +124,13 @@ class DrafterState:
     def save(self, path: Path) -> None:
         with full_precision_weights(self.optimizer):
             save_zlab(self.drafter, path, dtype=torch.float32, draft_vocab=self.draft_vocab)
+
+    def snapshot(self):
+        """A writer `(path) -> None` of the drafter's directory from a host copy of its float32 weights taken now
+        (on the CPU, the weights themselves: a forked writer sees them as they were at the fork)."""
+        with full_precision_weights(self.optimizer):
+            files = zlab_files(self.drafter, torch.float32, None, None, self.draft_vocab, None)
+        return lambda path: write_dir(path, files)
 
     def load(self, path: Path) -> None:
         loaded = load_zlab(path, device=next(self.drafter.parameters()).device, dtype=torch.float32)
@@ -230,11 +238,12 @@ class _RecordingWriter(io.RawIOBase):
             raise
 
 
-def save_trainer(states: dict, path: Path) -> None:
+def save_trainer(trainer: dict, path: Path) -> None:
+    """trainer.pt: {name: state_dict()} of the Stateful parts, as `Checkpointer.save` took them."""
     with open(path, "wb") as f:
         writer = _RecordingWriter(f)
         try:
-            torch.save({key: state.state_dict() for key, state in states.items()}, writer)
+            torch.save(trainer, writer)
         except RuntimeError as e:
             raise (writer.error or e) from None
 
@@ -248,6 +257,7 @@ class Checkpointer:
         self.keep_last = max(1, keep_last)
         self.verified: Path | None = None  # the newest checkpoint known intact (written or checked here)
         self.warnings: list[str] = []  # what the run's verdict must say (every checkpoint damaged: started fresh)
+        self._pending: tuple[background.ForkedWrite, Path] | None = None  # a write in flight, and where
 
     def resume_point(self, resume: bool | str, topo, group=None, log=print) -> ResumePoint | None:
         """The verified checkpoint to resume from (see the module doc), read on the main drafter
@@ -368,20 +378,49 @@ class Checkpointer:
         return intact
 
     def save(self, step: int, model: DrafterState, states: dict[str, Stateful], meta: dict,
-             sim_tau: float | None = None) -> Path:
+             sim_tau: float | None = None, background_write: bool = False) -> Path:
         """Write step_<step>/ atomically: the drafter, {name: state_dict()} of every Stateful and the
-        checksums of both; repoint `latest` (and `best`), prune old steps."""
+        checksums of both; repoint `latest` (and `best`), prune old steps. With `background_write`, the
+        state is taken now and written by a forked child while training goes on (`background.py`); its
+        failure is raised by the next `save` or `wait`."""
         name = f"step_{step:08d}"
         bad = model.non_finite()
         if bad is not None:
             raise NonFiniteWeights(f"step {step}: the drafter's weight {bad} is non-finite: checkpoint {name} not "
                                    f"written; {self.latest() or 'no earlier checkpoint'} holds the last finite weights")
+        self.wait()
         self._remove_stale_temporaries()
+        write_drafter = model.snapshot()
+        trainer = {key: background.host_copy(state.state_dict()) for key, state in states.items()}
+
+        def write() -> None:
+            self._write(name, write_drafter, trainer, {"step": step, "sim_tau": sim_tau, **meta}, sim_tau)
+
+        if background_write and background.supported():
+            try:
+                self._pending = background.ForkedWrite(write, f"checkpoint {self.root / name}"), self.root / name
+                return self.root / name
+            except OSError:  # no fork (e.g. no memory for the page tables): written here instead
+                pass
+        write()
+        return self.root / name
+
+    def wait(self) -> None:
+        """The background write in flight, if any, to its end; its failure raised here."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        error = pending[0].wait()
+        if error is not None:
+            raise CheckpointWriteError(error)
+        self.verified = pending[1]
+
+    def _write(self, name: str, write_drafter, trainer: dict, record: dict, sim_tau: float | None) -> None:
         try:
             with atomic.atomic_dir(self.root / name, replaceable=self._is_step_dir) as tmp:
-                model.save(tmp / "drafter")
-                save_trainer(states, tmp / "trainer.pt")
-                record = {"step": step, "sim_tau": sim_tau, **meta, FILES: file_records(tmp)}
+                write_drafter(tmp / "drafter")
+                save_trainer(trainer, tmp / "trainer.pt")
+                record = {**record, FILES: file_records(tmp)}
                 (tmp / "meta.json").write_text(json.dumps(record, indent=2, default=str))
         except (OSError, RuntimeError, SafetensorError) as e:  # torch.save reports a failed write as RuntimeError
             raise CheckpointWriteError(f"checkpoint {self.root / name} not written ({e}); nothing half-written "
@@ -392,7 +431,6 @@ class Checkpointer:
         if sim_tau is not None and sim_tau >= self._best_tau():  # ties: the later, more trained one
             atomic.point_link(self.root / "best", name)
         self._prune()
-        return self.root / name
 
     def _is_step_dir(self, path: Path) -> bool:
         """A step directory of this run (retraining a step after an earlier resume writes it again)."""

@@ -234,7 +234,7 @@ def write_export_marker(directory: Path) -> None:
     _write_json(marker)(directory / EXPORT_MARKER)
 
 
-def _write_dir(out_dir: str | Path, files: dict) -> Path:
+def write_dir(out_dir: str | Path, files: dict) -> Path:
     """Write {name: callable(path)} into a temporary sibling renamed to out_dir when complete; an
     existing out_dir is replaced only if it is an earlier export of ours (`is_export`)."""
     with atomic_dir(out_dir, replaceable=is_export, what=EXPORT_WHAT) as tmp:
@@ -302,7 +302,7 @@ def save_zlab(drafter: DFlashDrafter, out_dir: str | Path, dtype: torch.dtype = 
     """Write config.json + model.safetensors (tensors cast to `dtype`), and DRAFT_VOCAB when
     `draft_vocab` ids are given, atomically (a checkpoint's drafter/; the checked serving artefact is
     `export_drafter`'s)."""
-    return _write_dir(out_dir, zlab_files(drafter, dtype, extra_files, trained_against, draft_vocab, training_input))
+    return write_dir(out_dir, zlab_files(drafter, dtype, extra_files, trained_against, draft_vocab, training_input))
 
 
 def load_zlab(model_dir: str | Path, device="cpu", dtype: torch.dtype | None = None) -> DFlashDrafter:
@@ -389,4 +389,4 @@ def save_speculators(drafter: DFlashDrafter, out_dir: str | Path, embed_weight: 
     files = {"config.json": _write_json(config),
              WEIGHTS: lambda p: save_file(tensors, str(p), metadata={"format": "pt"}),
              EXPORT_MARKER: lambda p: write_export_marker(p.parent)}  # last: it lists the files above
-    return _write_dir(out_dir, files)
+    return write_dir(out_dir, files)

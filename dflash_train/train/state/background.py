@@ -1,0 +1,101 @@
+"""A checkpoint's files written by a forked child while the training goes on.
+
+Why a process: a checkpoint of the `gpu` recipe's drafter (the float32 weights and the Muon and AdamW states)
+held its H100 run 1.35 s each, 54 times in 20 minutes: 6.4 % of the training minutes (docs/LOG.md, session 29).
+A writer thread does not help: serialising, hashing and writing hold the GIL in stretches, and beside a
+host-bound training loop the write took 6x as long while the loop ran at 37 % of its speed (the same
+measurement, this CPU). A forked child has its own GIL, and fork's copy-on-write pages give it a consistent
+snapshot of the host memory for free: the parent copies only its device tensors to the host first
+(`host_copy`), forks, and goes on.
+
+What the child may do: write files from host tensors, hash, rename, link, prune, then `os._exit`. It closes
+the descriptors it inherited (the run's lock on its directory among them) and never
+touches CUDA (a forked child cannot), never prints (another thread of the parent may have held the stream's
+lock when it forked), ignores the stop signals (a Ctrl-C of the terminal reaches the whole process group: the
+write it was asked for completes, atomically, in about a second) and disables the garbage collector (the
+parent's objects are not its to free). Its error comes back through a pipe as text and is raised by the
+parent at `wait` (the next checkpoint, the final one, or the interpreter's exit). Linux only; elsewhere, or
+where fork fails (no memory for the page tables), the write runs in the caller.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+import signal
+import sys
+import warnings
+
+import torch
+
+_PENDING: set["ForkedWrite"] = set()
+
+
+def supported() -> bool:
+    return sys.platform.startswith("linux") and hasattr(os, "fork")
+
+
+def host_copy(obj):
+    """`obj` (tensors in dicts, lists and tuples) with every device tensor copied to the host; host tensors are
+    kept as they are (the fork snapshots them)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True) if obj.device.type != "cpu" else obj
+    if isinstance(obj, dict):
+        return {key: host_copy(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(host_copy(value) for value in obj)
+    return obj
+
+
+class ForkedWrite:
+    """`write()` run in a forked child; `wait()` returns its error message (None: written)."""
+
+    def __init__(self, write, what: str):
+        self.what = what
+        read_end, write_end = os.pipe()
+        with warnings.catch_warnings():  # Python warns of fork in a threaded process: the child's work is fork-safe
+            warnings.simplefilter("ignore", DeprecationWarning)
+            pid = os.fork()
+        if pid == 0:
+            _child(write, read_end, write_end)
+        os.close(write_end)
+        self.pid, self.fd = pid, read_end
+        _PENDING.add(self)
+
+    def wait(self) -> str | None:
+        with os.fdopen(self.fd, "rb") as pipe:
+            message = pipe.read().decode(errors="replace").strip()
+        _, status = os.waitpid(self.pid, 0)
+        _PENDING.discard(self)
+        code = os.waitstatus_to_exitcode(status)
+        if code == 0:
+            return None
+        return message or f"the writer of {self.what} (pid {self.pid}) ended with status {code}"
+
+
+def _child(write, read_end: int, write_end: int) -> None:
+    os.close(read_end)
+    code = 1
+    try:
+        # the parent's descriptors are not the child's to hold: the run's flock on train.out_dir (a resumed run
+        # must not find it held by a writer that outlived a killed parent), its sockets, the driver's files
+        os.closerange(3, write_end)
+        os.closerange(write_end + 1, os.sysconf("SC_OPEN_MAX"))
+        gc.disable()
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN)
+        torch.set_num_threads(1)
+        write()
+        code = 0
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the parent as text
+        os.write(write_end, f"{e}".encode(errors="replace")[:8000])
+    finally:
+        os._exit(code)
+
+
+@atexit.register
+def _wait_for_pending() -> None:
+    """A run that ends by an error while a write is in flight leaves its checkpoint whole, not half-renamed."""
+    for pending in list(_PENDING):
+        pending.wait()

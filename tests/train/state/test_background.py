@@ -1,0 +1,108 @@
+"""Checkpoints written by a forked child beside the training (train/state/background.py): the same
+checkpoint as a write in the caller, of the state as it was when `save` returned, and a failure raised
+at the next `wait`, naming its cause."""
+
+import json
+
+import pytest
+import torch
+from transformers import Qwen3Config
+
+from dflash_train.model.drafter.backbone import DFlashDrafter
+from dflash_train.model.drafter.config import drafter_config_from_target
+from dflash_train.model.drafter.export.hf_format import load_zlab
+from dflash_train.train.optim.optimizer import MasterWeightAdamW
+from dflash_train.train.state import background, checkpoint
+from dflash_train.train.state.checkpoint import CheckpointWriteError, Checkpointer, DrafterState, TrainProgress, damage
+
+pytestmark = pytest.mark.skipif(not background.supported(), reason="background writes fork: Linux only")
+
+
+def _state() -> DrafterState:
+    tcfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, vocab_size=256)
+    drafter = DFlashDrafter(drafter_config_from_target(tcfg, num_layers=1, block_size=4, mask_token_id=255,
+                                                       num_taps=3))
+    opt = MasterWeightAdamW(drafter.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+    for p in drafter.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()  # moments to save
+    return DrafterState(drafter, opt)
+
+
+class _Optim:
+    def __init__(self, opt):
+        self.opt = opt
+
+    def state_dict(self):
+        return self.opt.state_dict()
+
+
+def _progress(step: int) -> TrainProgress:
+    progress = TrainProgress()
+    progress.step = step
+    return progress
+
+
+def _read(path):
+    weights = load_zlab(path / "drafter", dtype=torch.float32).state_dict()
+    return weights, torch.load(path / "trainer.pt", map_location="cpu", weights_only=True)
+
+
+def test_a_background_write_is_the_checkpoint_a_write_in_the_caller_makes(tmp_path):
+    state = _state()
+    states = {"train": _progress(3), "optimizer": _Optim(state.optimizer)}
+    here, beside = Checkpointer(tmp_path / "here", 2), Checkpointer(tmp_path / "beside", 2)
+    here.save(3, state, states, {"note": 1}, sim_tau=2.0)
+    path = beside.save(3, state, states, {"note": 1}, sim_tau=2.0, background_write=True)
+    beside.wait()
+    assert beside.latest() == path and beside.best() == path and beside.verified == path and not damage(path)
+    (w1, t1), (w2, t2) = _read(here.latest()), _read(path)
+    assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1)
+    assert t1["train"] == t2["train"] and t1["optimizer"]["param_groups"] == t2["optimizer"]["param_groups"]
+    for s1, s2 in zip(t1["optimizer"]["state"].values(), t2["optimizer"]["state"].values()):
+        assert all(torch.equal(s1[k], s2[k]) for k in s1)
+    assert json.loads((path / "meta.json").read_text())["note"] == 1
+
+
+def test_the_state_written_is_the_one_at_save_even_as_training_changes_it(tmp_path):
+    """The training goes on while the child writes: what it changes after `save` returned is not in the
+    checkpoint (a write that read the live tensors later would hold a mix of two steps)."""
+    state = _state()
+    before = {k: v.clone() for k, v in state.drafter.state_dict().items()}
+    progress = _progress(5)
+    ckpt = Checkpointer(tmp_path, 2)
+    path = ckpt.save(5, state, {"train": progress}, {}, background_write=True)
+    with torch.no_grad():
+        for p in state.drafter.parameters():
+            p.add_(1.0)
+    progress.step = 6
+    ckpt.wait()
+    weights, trainer = _read(path)
+    assert all(torch.equal(weights[k], before[k]) for k in before) and trainer["train"]["step"] == 5
+
+
+def test_a_failed_background_write_is_raised_at_the_next_wait_and_leaves_nothing(tmp_path, monkeypatch):
+    ckpt = Checkpointer(tmp_path, 2)
+    ckpt.save(2, _state(), {"train": _progress(2)}, {})
+
+    def full_disk(trainer, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_trainer", full_disk)  # the forked child inherits it
+    ckpt.save(4, _state(), {"train": _progress(4)}, {}, background_write=True)
+    with pytest.raises(CheckpointWriteError, match=r"(?s)step_00000004 not written.*No space left.*step_00000002"):
+        ckpt.wait()
+    assert ckpt.latest().name == "step_00000002" and not (ckpt.root / "step_00000004").exists()
+    assert not list(ckpt.root.glob(".step_*"))  # no temporary left behind
+    ckpt.wait()  # raised once; nothing in flight now
+
+
+def test_host_copy_copies_only_what_is_not_on_the_host():
+    host = torch.ones(3)
+    nested = {"a": [host, (host, 2)], "b": "text"}
+    copied = background.host_copy(nested)
+    assert copied["a"][0] is host and copied["a"][1][0] is host and copied["a"][1][1] == 2 and copied["b"] == "text"
+    if torch.cuda.is_available():
+        device = torch.ones(3, device="cuda")
+        assert background.host_copy({"x": device})["x"].device.type == "cpu"
