@@ -131,9 +131,9 @@ def gpu_long() -> RunConfig:
     the eval of 6 sets x 24 prompts in 62 s; 1,398 s in all. On 30,000 prompts the 30 epochs ended the run at
     19.0 of its 20 minutes (26,580 steps) and the held-out tau peaked at 85 % of them: the 45,000 here give
     ~21 epochs in the minutes. Scaled from those rates (an estimate, not measured), this recipe trains from
-    ~280 s and ends at ~26 minutes. The regenerate + tap cache holds ~1 MB per sample: 47 GB here, on the 64 GiB disk of a one-GPU
-    machine, and the taps stay in host memory on an 80 GB card (data.taps_device=auto: over 60 % of its free
-    memory). bench/curve.py measures it as the 20-minute point of the recipe's curve (3.5, 10 and 20 minutes);
+    ~280 s and ends at ~26 minutes. The regenerate + tap cache holds ~1 MB per sample: 47 GB here, on the
+    64 GiB disk of a one-GPU machine, and the taps stay in host memory on an 80 GB card (data.taps_device=auto:
+    over 60 % of its free memory). bench/curve.py measures it as the 20-minute point of the recipe's curve (3.5, 10 and 20 minutes);
     `bench/gpu_stage.sh bg` runs it detached from the device calls."""
     base = gpu()
     return replace(

@@ -22,8 +22,8 @@ drafter's context, or plain): the prompt right-padded in a fixed buffer, the log
 position alone (`logits_to_keep` as a device index). The padded slots of the cache and the context are
 hidden by the masks above (past the verified length) and written over by the steps. Eager, the prefills
 were 10.9 of the eval's 62.2 s on an H100 (docs/LOG.md, session 29: ~1,560 kernel launches a forward);
-on the CPU the prompt is not padded (padding there is compute, not launches saved). Greedy only (sampled decoding keeps `spec_decode`'s loops), batch 1, the drafter on the
-target's device, targets whose layers all attend fully (`graph_decode.supports`). Outputs equal
+on the CPU the prompt is not padded (padding there is compute, not launches saved). Greedy only (sampled
+decoding keeps `spec_decode`'s loops), batch 1, the drafter on the target's device, targets whose layers all attend fully (`graph_decode.supports`). Outputs equal
 `spec_decode`'s token for token in float32 on the CPU (tests/eval/test_static_decode.py).
 """
 

@@ -87,7 +87,8 @@ def test_the_eval_warms_up_one_prompt_of_each_bucket_and_padded_length(qwen3):
     from dflash_train.eval.evaluate import _warm_up_prompts
 
     decoder = _decoder(qwen3, _drafter(qwen3, "dflash", 4), 4, 24)  # a cache of prompt + 24 + 5 slots
-    sets = {"a": [torch.zeros(1, n, dtype=torch.long) for n in (5, 11, 60)], "b": [torch.zeros(1, 70, dtype=torch.long)]}
+    sets = {"a": [torch.zeros(1, n, dtype=torch.long) for n in (5, 11, 60)],
+            "b": [torch.zeros(1, 70, dtype=torch.long)]}
     assert [ids.shape[1] for ids in _warm_up_prompts(sets, decoder)] == [5, 60]  # buckets 64 and 128
     decoder.pad_prefill = True
     assert decoder.shapes_of(60) == (128, 64) and decoder.shapes_of(70) == (128, 128)

@@ -97,8 +97,9 @@ class TimeBudget:
         return min(self.total_steps, step + fits)
 
     def epochs_cap(self) -> str:
-        """'' when the clock sets the step count; else what the epoch count leaves of the budget (the run ends
-        before its minutes: session 29's 20-minute run on 30,000 prompts ended at 19.0 of them, its 30 epochs done)."""
+        """'' when the clock sets the step count; else what the epoch count leaves of the budget (the run
+        ends before its minutes: session 29's 20-minute run on 30,000 prompts ended at 19.0 of them, its 30
+        epochs done)."""
         if self.steps is None or self.clock_allows <= self.steps or self.steps < self.total_steps:
             return ""
         share = self.total_steps / self.clock_allows

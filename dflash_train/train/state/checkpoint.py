@@ -20,7 +20,9 @@ line saying so (every one damaged: the run starts fresh and its verdict says so,
 `train.resume=PATH` takes that checkpoint or refuses it, naming the newest intact one. `latest`
 and `best` are followed only to a step directory of this run (`_link`): a link that dangles or
 leads elsewhere is named and the newest intact checkpoint taken, so nothing outside `checkpoints/`
-is ever read, moved or pruned. A trainer.pt is only ever loaded with weights_only=True. Non-finite weights are never written (`NonFiniteWeights`), so never ranked best or exported.
+is ever read, moved or pruned. A trainer.pt is only ever loaded with weights_only=True. Non-finite
+weights are never written (`NonFiniteWeights`), so never ranked best or exported. During training a
+forked child writes each checkpoint beside the loop (`background.py`); the final one is written in it.
 Only the main drafter rank reads a checkpoint; the others receive it (`resume_point`), so no other
 node needs to see `train.out_dir`.
 """
@@ -49,7 +51,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from dflash_train import atomic
 from dflash_train.model.drafter.export.draft_vocab import load_draft_vocab
 from dflash_train.model.drafter.export.hf_format import (NonFiniteWeights, is_export, load_zlab, non_finite_weights,
-                                                         save_zlab, write_dir, zlab_files)
+                                                         write_dir, zlab_files)
 from dflash_train.model.drafter.export.export import export_drafter
 from dflash_train.train.optim.optimizer import full_precision_weights
 from dflash_train.train.state import background
@@ -122,8 +124,7 @@ class DrafterState:
             self.drafter.load_state_dict(state)
 
     def save(self, path: Path) -> None:
-        with full_precision_weights(self.optimizer):
-            save_zlab(self.drafter, path, dtype=torch.float32, draft_vocab=self.draft_vocab)
+        self.snapshot()(path)
 
     def snapshot(self):
         """A writer `(path) -> None` of the drafter's directory from a host copy of its float32 weights taken now
