@@ -115,11 +115,15 @@ def main(argv=None) -> int:
         return b.finish("background writes need fork (Linux)", a.json)
     with b.phase("time"):
         rounds(a, b)
-    f = b.figures
-    verdict = (f"a {f['checkpoint_mb']:.0f} MB checkpoint held the loop {f['caller_s']:.3f} s written in the caller, "
-               f"{f['background_s']:.3f} s with a forked writer ({f['ratio']:.1f}x less; written "
-               f"{f['background_done_s']:.2f} s after)" if "ratio" in f else "no timings")
-    return b.finish(verdict, a.json)
+    return b.finish(summary(b.figures), a.json)
+
+
+def summary(f: dict) -> str:
+    if "ratio" not in f:
+        return "no timings"
+    return (f"a {f['checkpoint_mb']:.0f} MB checkpoint held the loop {f['caller_s']:.3f} s written in the caller, "
+            f"{f['background_s']:.3f} s with a forked writer ({f['ratio']:.1f}x less; written "
+            f"{f['background_done_s']:.2f} s after)")
 
 
 if __name__ == "__main__":

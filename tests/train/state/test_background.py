@@ -6,12 +6,9 @@ import json
 
 import pytest
 import torch
-from transformers import Qwen3Config
+from state_helpers import drafter_state
 
-from dflash_train.model.drafter.backbone import DFlashDrafter
-from dflash_train.model.drafter.config import drafter_config_from_target
 from dflash_train.model.drafter.export.hf_format import load_zlab
-from dflash_train.train.optim.optimizer import MasterWeightAdamW
 from dflash_train.train.state import background, checkpoint
 from dflash_train.train.state.checkpoint import CheckpointWriteError, Checkpointer, DrafterState, TrainProgress, damage
 
@@ -19,15 +16,7 @@ pytestmark = pytest.mark.skipif(not background.supported(), reason="background w
 
 
 def _state() -> DrafterState:
-    tcfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=16, vocab_size=256)
-    drafter = DFlashDrafter(drafter_config_from_target(tcfg, num_layers=1, block_size=4, mask_token_id=255,
-                                                       num_taps=3))
-    opt = MasterWeightAdamW(drafter.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
-    for p in drafter.parameters():
-        p.grad = torch.randn_like(p)
-    opt.step()  # moments to save
-    return DrafterState(drafter, opt)
+    return drafter_state(moments=True)
 
 
 class _Optim:
