@@ -54,9 +54,14 @@ class ForkedWrite:
     def __init__(self, write, what: str):
         self.what = what
         read_end, write_end = os.pipe()
-        with warnings.catch_warnings():  # Python warns of fork in a threaded process: the child's work is fork-safe
-            warnings.simplefilter("ignore", DeprecationWarning)
-            pid = os.fork()
+        try:
+            with warnings.catch_warnings():  # Python warns of fork in a threaded process: the child's work is fork-safe
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+        except OSError:  # the caller writes instead
+            os.close(read_end)
+            os.close(write_end)
+            raise
         if pid == 0:
             _child(write, read_end, write_end)
         os.close(write_end)
