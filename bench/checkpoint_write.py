@@ -45,14 +45,6 @@ def parse(argv=None):
     return a
 
 
-class _Stateful:
-    def __init__(self, obj):
-        self.obj = obj
-
-    def state_dict(self):
-        return self.obj.state_dict()
-
-
 def build(layers: int):
     """A drafter at SmolLM2's width and the gpu recipe's optimizer, one step taken (its moments exist)."""
     target = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
@@ -63,7 +55,7 @@ def build(layers: int):
     for p in drafter.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     optimizer.step()
-    states = {"train": TrainProgress(), "optimizer": _Stateful(optimizer), "scheduler": _Stateful(scheduler)}
+    states = {"train": TrainProgress(), "optimizer": optimizer, "scheduler": scheduler}  # torch's: Stateful
     return DrafterState(drafter, optimizer), states
 
 

@@ -103,4 +103,6 @@ def _child(write, read_end: int, write_end: int) -> None:
 def _wait_for_pending() -> None:
     """A run that ends by an error while a write is in flight leaves its checkpoint whole, not half-renamed."""
     for pending in list(_PENDING):
-        pending.wait()
+        error = pending.wait()
+        if error is not None:  # nobody is left to raise it to: said, never dropped
+            print(f"checkpoint: {error}", file=sys.stderr, flush=True)

@@ -19,14 +19,6 @@ def _state() -> DrafterState:
     return drafter_state(moments=True)
 
 
-class _Optim:
-    def __init__(self, opt):
-        self.opt = opt
-
-    def state_dict(self):
-        return self.opt.state_dict()
-
-
 def _progress(step: int) -> TrainProgress:
     progress = TrainProgress()
     progress.step = step
@@ -40,7 +32,7 @@ def _read(path):
 
 def test_a_background_write_is_the_checkpoint_a_write_in_the_caller_makes(tmp_path):
     state = _state()
-    states = {"train": _progress(3), "optimizer": _Optim(state.optimizer)}
+    states = {"train": _progress(3), "optimizer": state.optimizer}
     here, beside = Checkpointer(tmp_path / "here", 2), Checkpointer(tmp_path / "beside", 2)
     here.save(3, state, states, {"note": 1}, sim_tau=2.0)
     path = beside.save(3, state, states, {"note": 1}, sim_tau=2.0, background_write=True)
@@ -95,3 +87,25 @@ def test_host_copy_copies_only_what_is_not_on_the_host():
     if torch.cuda.is_available():
         device = torch.ones(3, device="cuda")
         assert background.host_copy({"x": device})["x"].device.type == "cpu"
+
+
+def test_a_write_that_fails_after_its_run_ended_is_said_at_exit(tmp_path):
+    """A run that ends (an error) while a write is in flight: the interpreter's exit waits for it, and its
+    failure is printed, since no later `wait` will raise it."""
+    import subprocess
+    import sys
+
+    script = f"""
+import sys
+sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+from state_helpers import drafter_state
+from dflash_train.train.state import checkpoint
+from dflash_train.train.state.checkpoint import Checkpointer, TrainProgress
+def full_disk(trainer, path):
+    raise OSError(28, "No space left on device")
+checkpoint.save_trainer = full_disk
+Checkpointer({str(tmp_path)!r}, 2).save(4, drafter_state(), {{"train": TrainProgress()}}, {{}}, background_write=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "checkpoint:" in done.stderr and "step_00000004 not written" in done.stderr and "No space left" in done.stderr
