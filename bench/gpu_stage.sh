@@ -19,7 +19,7 @@
 # for it, copying its stamped log and GPU utilisation to $OUT: call it back to back (the machine goes back after 30 s
 # idle) until the verdict; `export NAME [FROM]` returns the exported drafter in 15-MiB parts (cat them here) when the device
 # budget ends before the eval does (session 28: the 20-minute point, `bg m20 --recipe gpu_long`).
-# Steps: part0 | install | census | tests | py SCRIPT [args] (a bench script, its log and JSON under $OUT, named $TAG if set) | arm NAME [overrides...] | curve POINTS [overrides...] | bg NAME [args...] | watch NAME SECS | export NAME | peer NAME | peereval NAME | peerall NAME
+# Steps: part0 | install | census | tests | py SCRIPT [args] (a bench script, its log and JSON under $OUT, named $TAG if set) | arm NAME [overrides...] | curve POINTS [overrides...] | bg NAME [args...] | watch NAME SECS | export NAME [FROM] | evaltree NAME DIR TAG | peer NAME | peereval NAME | peerall NAME
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 R=/tmp/run; P=/tmp/parts; mkdir -p $R $P $R/data
@@ -81,6 +81,14 @@ case "$1" in
       $R/parts_$name/model.safetensors.part && sha256sum $e/model.safetensors > $R/parts_$name/done; }
     [ $from -eq 0 ] && cp $e/*.json $R/parts_$name/done $OUT/export/
     ls $R/parts_$name/model.safetensors.part* | tail -n +$((from + 1)) | head -4 | xargs -I{} cp {} $OUT/export/ ;;
+  evaltree)
+    # `evaltree NAME DIR TAG`: `dflash-train eval` of arm NAME's exported drafter, run from the tree in DIR (e.g. an older
+    # `git archive` carried beside), so two trees' evals of one drafter time the same work on one machine
+    site; name=$2; dir=$3; tag=$4; log "evaltree $name from $dir as $tag"
+    (cd $dir && python3 -m dflash_train eval --drafter $R/runs/$name/drafter --num-prompts 24 --out $R/evals/$tag \
+      --prompts assistant,chitchat,humaneval,bench/prompts/requests_s14.jsonl,bench/prompts/chitchat_s14.jsonl 2>&1 \
+      | stamp > $OUT/eval_$tag.log); log "evaltree $tag: $(tail -1 $OUT/eval_$tag.log)"
+    cp $R/evals/$tag/report.json $OUT/eval_$tag.report.json 2>/dev/null ;;
   peer|peereval|peerall)
     site; step=$1; name=$2; shift 2; S=/tmp/peersite
     mkdir -p $R/runs/$name; [ -e $R/runs/$name/data ] || ln -s $R/data $R/runs/$name/data
