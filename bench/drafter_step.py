@@ -74,13 +74,17 @@ def parse(argv=None):
     p.add_argument("--fp8-filter", choices=("auto", "all"), default="auto",
                    help="with --precision fp8: which linears convert (train.fp8_filter: auto = torchao's size rule)")
     p.add_argument("--optim", choices=("adamw", "muon"), default="adamw", help="optim.name (default adamw)")
-    p.add_argument("--muon-iteration", choices=("newton_schulz", "polar_express", "gram", "gram_symmetric"),
+    p.add_argument("--muon-iteration", choices=("newton_schulz", "gram", "gram_symmetric"),
                    default=DEFAULTS.optim.muon_iteration,
                    help=f"optim.muon_iteration: how --optim muon orthogonalises (default {DEFAULTS.optim.muon_iteration})")
     p.add_argument("--muon-gram-blocks", type=int, default=DEFAULTS.optim.muon_gram_blocks,
                    help=f"optim.muon_gram_blocks: gram_symmetric's blocks (default {DEFAULTS.optim.muon_gram_blocks})")
     p.add_argument("--muon-ns-steps", type=int, default=DEFAULTS.optim.muon_ns_steps,
                    help=f"optim.muon_ns_steps (default {DEFAULTS.optim.muon_ns_steps})")
+    p.add_argument("--muon-coefficients", choices=("torch", "polar_express"), default=DEFAULTS.optim.muon_coefficients,
+                   help=f"optim.muon_coefficients (default {DEFAULTS.optim.muon_coefficients})")
+    p.add_argument("--muon-polar-lower", type=float, default=DEFAULTS.optim.muon_polar_lower,
+                   help=f"optim.muon_polar_lower (default {DEFAULTS.optim.muon_polar_lower:g})")
     p.add_argument("--micro-batches", type=int, default=1,
                    help="micro-batches per optimizer step (the same one repeated; > 1 sums the bf16 gradients "
                         "in float32, train/optim/grads.py); tokens and FLOPs count all of them")
@@ -259,7 +263,8 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
     if a.master_weights and device.type != "cuda":
         raise ValueError("--master-weights needs CUDA: the bf16 weights rely on bf16 autocast; CPU steps run in float32")
     optim_cfg = OptimConfig(name=a.optim, muon_iteration=a.muon_iteration, muon_ns_steps=a.muon_ns_steps,
-                            muon_gram_blocks=a.muon_gram_blocks)
+                            muon_gram_blocks=a.muon_gram_blocks, muon_coefficients=a.muon_coefficients,
+                            muon_polar_lower=a.muon_polar_lower)
     optimizer, scheduler = build_optimizer(drafter.named_parameters(), optim_cfg, 1000,
                                            master_weights=a.master_weights, log=b.log)
     b.info["master_weights"] = param_dtype(optimizer) is not None
@@ -281,7 +286,8 @@ def build(a, b: C.Bench, device, backend: str, compiled: bool, taps_dtype) -> di
         muon["muon_flops"] = C.muon_flops(dcfg, iterations, a.muon_iteration, a.muon_gram_blocks)
         blocks = f", {a.muon_gram_blocks} blocks" if a.muon_iteration == "gram_symmetric" else ""
         b.figure("muon_ns_tflop_per_step", muon["muon_flops"] / 1e12,
-                 f"{iterations} iterations ({a.muon_iteration}{blocks}) over the hidden matrices, once per step")
+                 f"{iterations} iterations ({a.muon_iteration}{blocks}, {a.muon_coefficients} coefficients) over the "
+                 "hidden matrices, once per step")
     b.log(f"drafter {dcfg.num_layers} layers, hidden {dcfg.hidden_size}, taps {dcfg.target_layer_ids}, "
           f"{params / 1e6:.1f}M params; taps {tuple(mb.taps.shape)} {taps_dtype}")
     return dict(tcfg=tcfg, dcfg=dcfg, drafter=drafter, mb=mb, ctx=ctx, optimizer=optimizer, scheduler=scheduler,

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-MUON_ITERATIONS = ("newton_schulz", "gram", "gram_symmetric")  # polar_express: newton_schulz's FLOPs
+MUON_ITERATIONS = ("newton_schulz", "gram", "gram_symmetric")  # the forms; the coefficients cost the same
 
 # The issue's reference figures (Issue 8), per sequence, paper config.
 ISSUE_DRAFTER_TFLOP = 72.5

@@ -5,6 +5,7 @@ polynomial on gradient-like matrices, and its time per optimizer step at the dra
     python bench/muon_iterations.py --small        # tiny shapes on the CPU (seconds)
     python bench/muon_iterations.py --device cpu --divide 8    # the paper's aspect ratios at 1/8 (CPU, minutes)
     python bench/muon_iterations.py --gram-blocks 4,8          # gram_symmetric at 4 and at 8 blocks
+    python bench/muon_iterations.py --coefficients polar_express --ns-steps 4 --polar-lower 3e-3  # a 4-step schedule
 
 Quality: one matrix of each shape the drafter's Muon orthogonalises (the short side first), of three
 kinds (Gaussian; singular values log-spaced over 3 decades; rank 32 plus noise at 1e-3 of the top
@@ -32,8 +33,8 @@ import torch  # noqa: E402
 from bench import _common as C  # noqa: E402
 from bench.flops import PAPER, SMALL, drafter_matrix_shapes  # noqa: E402
 from dflash_train.config import OptimConfig  # noqa: E402
-from dflash_train.train.optim.muon import (TORCH_COEFFICIENTS, gram_orthogonalise, ns_flops,  # noqa: E402
-                                           orthogonalise, uses_gram)
+from dflash_train.train.optim.muon import (COEFFICIENTS, gram_orthogonalise, ns_flops,  # noqa: E402
+                                           ns_schedule, orthogonalise, uses_gram)
 
 BASE_FORMS = ("newton_schulz", "gram")  # then gram_symmetric_k<k> per --gram-blocks
 KINDS = ("gaussian", "decades3", "rank32_noise")
@@ -44,6 +45,9 @@ def parse(argv=None):
     p.add_argument("--small", action="store_true", help="tiny shapes on the CPU (seconds)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda")
     p.add_argument("--ns-steps", type=int, default=5, help="optim.muon_ns_steps (default 5)")
+    p.add_argument("--coefficients", choices=COEFFICIENTS, default="torch", help="optim.muon_coefficients")
+    p.add_argument("--polar-lower", type=float, default=OptimConfig().muon_polar_lower,
+                   help="optim.muon_polar_lower (--coefficients polar_express)")
     p.add_argument("--reps", type=int, help="timed calls per batch (default 5; 1 with --small)")
     p.add_argument("--divide", type=int, default=1, help="every matrix side divided by this (aspect ratios kept)")
     p.add_argument("--gram-blocks", default=str(OptimConfig().muon_gram_blocks),
@@ -98,16 +102,16 @@ def gradient_like(kind: str, m: int, n: int, device, gen) -> torch.Tensor:
     return (1e-3 * x / x.norm() * (m * n) ** 0.5)[None].bfloat16()
 
 
-def orthogonalised(x: torch.Tensor, form: str, coefficients) -> torch.Tensor:
+def orthogonalised(x: torch.Tensor, form: str, coefficients, safety: float) -> torch.Tensor:
     """The form's result, the Gram form always in float16 (what CUDA runs)."""
     if runs_gram(form, *x.shape[-2:], len(coefficients)):
-        return gram_orthogonalise(x, coefficients, dtype=torch.float16, blocks=blocks_of(form))
-    return orthogonalise(x, coefficients)
+        return gram_orthogonalise(x, coefficients, safety, dtype=torch.float16, blocks=blocks_of(form))
+    return orthogonalise(x, coefficients, safety)
 
 
-def float64_polynomial(x: torch.Tensor, coefficients) -> torch.Tensor:
+def float64_polynomial(x: torch.Tensor, coefficients, safety: float) -> torch.Tensor:
     x = x.double()
-    x = x / x.norm(dim=(-2, -1), keepdim=True)
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) * safety)
     for a, b, c in coefficients:
         g = x @ x.mT
         x = a * x + (b * g + c * g @ g) @ x
@@ -121,17 +125,18 @@ def singular_range(x: torch.Tensor) -> tuple[float, float]:
     return float(s.min()), float(s.max())
 
 
-def quality(b: C.Bench, groups: dict, coefficients, device, forms) -> None:
+def quality(b: C.Bench, groups: dict, schedule, device, forms) -> None:
+    coefficients, safety = schedule
     gen = torch.Generator(device=device).manual_seed(0)
     ratios, worst = {form: [] for form in forms[1:]}, {form: 0.0 for form in forms}
     for (m, n) in groups:
         for kind in KINDS:
             x = gradient_like(kind, m, n, device, gen)
-            ref = float64_polynomial(x, coefficients)
+            ref = float64_polynomial(x, coefficients, safety)
             low, high = singular_range(ref)
             line, errors = f"{m}x{n} {kind}: float64 s [{low:.3f}, {high:.3f}]", {}
             for form in forms:
-                out = orthogonalised(x, form, coefficients)
+                out = orthogonalised(x, form, coefficients, safety)
                 errors[form] = float((out.double() - ref).norm() / ref.norm())
                 worst[form] = max(worst[form], errors[form])
                 low, high = singular_range(out)
@@ -149,7 +154,8 @@ def quality(b: C.Bench, groups: dict, coefficients, device, forms) -> None:
                      "Gram form runs (<= 1: equal quality)")
 
 
-def timing(b: C.Bench, groups: dict, coefficients, device, reps: int, forms) -> None:
+def timing(b: C.Bench, groups: dict, schedule, device, reps: int, forms) -> None:
+    coefficients, safety = schedule
     steps = len(coefficients)
     for form in forms:
         total_s, total_flops = 0.0, 0.0
@@ -157,7 +163,7 @@ def timing(b: C.Bench, groups: dict, coefficients, device, reps: int, forms) -> 
         for (m, n), count in groups.items():
             x = torch.randn(count, m, n, device=device, dtype=torch.bfloat16) * 1e-3
             gram, blocks = form != "newton_schulz", blocks_of(form)
-            run = lambda: orthogonalise(x, coefficients, gram=gram, blocks=blocks)  # noqa: E731
+            run = lambda: orthogonalise(x, coefficients, safety, gram=gram, blocks=blocks)  # noqa: E731
             run()
             seconds = C.median(C.time_calls(run, reps, device))
             flops = count * ns_flops(m, n, steps, gram=runs_gram(form, m, n, steps), blocks=blocks_of(form))
@@ -175,17 +181,18 @@ def timing(b: C.Bench, groups: dict, coefficients, device, reps: int, forms) -> 
 def main(argv=None) -> int:
     a = parse(argv)
     b, device = C.start("muon_iterations", a)
-    groups, coefficients = batches(a.small, a.divide), (TORCH_COEFFICIENTS,) * a.ns_steps
+    groups, schedule = batches(a.small, a.divide), ns_schedule(a.coefficients, a.ns_steps, a.polar_lower)
+    lower = f" from {a.polar_lower:g}" if a.coefficients == "polar_express" else ""
     b.log(f"device {device}; batches {', '.join(f'{k} x {m}x{n}' for (m, n), k in groups.items())}; "
-          f"{a.ns_steps} iterations")
+          f"{a.ns_steps} iterations of the {a.coefficients} coefficients{lower}")
     if device.type == "cuda":
         with b.phase("peak"):
             b.figure("matmul_peak_tflops", C.measure_matmul_peak(device, b)[0] / 1e12)
     if not a.no_quality:
         with b.phase("quality"):
-            quality(b, groups, coefficients, device, a.forms)
+            quality(b, groups, schedule, device, a.forms)
     with b.phase("timing"):
-        timing(b, groups, coefficients, device, a.reps, a.forms)
+        timing(b, groups, schedule, device, a.reps, a.forms)
     f = b.figures
     verdict = ", ".join(f"{form} {f[f'step_ms_{form}']:.1f} ms" for form in a.forms if f"step_ms_{form}" in f)
     for form in a.forms[1:]:

@@ -215,18 +215,25 @@ class OptimConfig:
     """Muon's (Nesterov) momentum, in [0, 1)."""
     muon_ns_steps: int = 5
     """Newton-Schulz iterations per Muon step (torch's default; each costs ~3 matmuls per matrix)."""
-    muon_iteration: Literal["newton_schulz", "polar_express", "gram", "gram_symmetric"] = "gram"
-    """How Muon orthogonalises (train/optim/muon.py): gram (the default) = torch's quintic in the Gram form of Dao AI Lab's
-    "Gram Newton-Schulz" (2026) on every wide matrix (long side > 1.5x the short; square ones keep the standard
-    form), float16 on CUDA: the same polynomial in 21 % fewer FLOPs at the paper shapes (101.3 -> 79.5 TFLOP per
-    step), closer to the float64 polynomial than newton_schulz's bf16 and the same training loss on the CPU
-    golden run (docs/PERF.md 3.7) | newton_schulz = torch.optim.Muon's fixed quintic, its update bit for bit |
-    polar_express = Polar Express's per-iteration coefficients (arXiv 2505.16932), the first muon_ns_steps (<= 5)
-    of its 5-step schedule: closer to orthogonal than torch's at 5 iterations, not at 4 (docs/PERF.md) |
-    gram_symmetric = gram with every product whose result is symmetric (all but the last X <- Q X) computed on
-    its upper block triangle (muon_gram_blocks; train/optim/symmetric.py), on every shape the square ones
-    included: 79.5 -> 58.5 TFLOP per step at the paper shapes with 4 blocks (54.3 with 8); its GPU speed is not
-    measured yet (docs/PERF.md 3.7)."""
+    muon_iteration: Literal["newton_schulz", "gram", "gram_symmetric"] = "gram"
+    """How Muon orthogonalises (train/optim/muon.py): gram (the default) = the Gram form of Dao AI Lab's "Gram
+    Newton-Schulz" (2026) on every wide matrix (long side > 1.5x the short; square ones keep the standard form),
+    float16 on CUDA: the same polynomials in 21 % fewer FLOPs at the paper shapes (101.3 -> 79.5 TFLOP per step
+    at 5 iterations), closer to the float64 polynomial than newton_schulz's bf16 and the same training loss on the
+    CPU golden run (docs/PERF.md 3.7) | newton_schulz = torch.optim.Muon's form, its update bit for bit with
+    torch's coefficients | gram_symmetric = gram with every product whose result is symmetric (all but the last
+    X <- Q X) computed on its upper block triangle (muon_gram_blocks; train/optim/symmetric.py), on every shape
+    the square ones included: 79.5 -> 58.5 TFLOP per step at the paper shapes with 4 blocks (54.3 with 8);
+    7-10 % slower than gram on an H100 (its block-row products run slower, docs/PERF.md 3.7)."""
+    muon_coefficients: Literal["torch", "polar_express"] = "torch"
+    """The quintic of each iteration (train/optim/polar_express.py): torch = torch.optim.Muon's (3.4445, -4.775,
+    2.0315) at every iteration | polar_express = Polar Express's greedy minimax schedule (arXiv 2505.16932) made
+    for muon_ns_steps iterations from singular values down to muon_polar_lower: at 5 iterations and 1e-3
+    modded-nanogpt's published schedule; at 4 iterations and 3e-3 every singular value >= 3e-3 ends in [0.78,
+    1.21] where torch's 5 give [0.68, 1.20]: one iteration, a fifth of the Newton-Schulz FLOPs, fewer."""
+    muon_polar_lower: float = 1e-3
+    """muon_coefficients=polar_express: the smallest normalised singular value its schedule is made to bring near
+    1 (in (0, 1)); raise it to make a shorter schedule's band narrower (docs/PERF.md 3.7)."""
     muon_gram_blocks: int = 4
     """Block rows k of gram_symmetric's products (2..32): (k + 1) / 2k of their FLOPs, in k matmuls each."""
 

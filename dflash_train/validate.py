@@ -101,9 +101,9 @@ def config_problems(cfg: RunConfig) -> list[str]:
         problems.append(f"optim.betas={cfg.optim.betas}: both must be in [0, 1)")
     if cfg.optim.muon_ns_steps >= 100:
         problems.append(f"optim.muon_ns_steps={cfg.optim.muon_ns_steps}: must be < 100 (torch.optim.Muon's bound)")
-    if cfg.optim.muon_iteration == "polar_express" and not 1 <= cfg.optim.muon_ns_steps <= 5:
-        problems.append(f"optim.muon_ns_steps={cfg.optim.muon_ns_steps} with optim.muon_iteration=polar_express: "
-                        "must be in 1..5 (the iterations of its published schedule)")
+    if not 0 < cfg.optim.muon_polar_lower < 1:
+        problems.append(f"optim.muon_polar_lower={cfg.optim.muon_polar_lower}: must be in (0, 1) (the smallest "
+                        "normalised singular value a Polar Express schedule is made for)")
     if cfg.optim.muon_iteration == "gram_symmetric" and not 2 <= cfg.optim.muon_gram_blocks <= 32:
         problems.append(f"optim.muon_gram_blocks={cfg.optim.muon_gram_blocks} with optim.muon_iteration="
                         "gram_symmetric: must be in 2..32 (block rows of its symmetric products; 1 block is optim.muon_iteration=gram)")

@@ -2,10 +2,13 @@
 Qwen3, CPU, float32) trained with Muon under each `optim.muon_iteration`, side by side. By hand only:
 
     python tests/golden/muon_ab.py [--steps 48] [--arms newton_schulz,gram,gram_fp16,polar_express]
+    python tests/golden/muon_ab.py --steps 64 --arms newton_schulz,gram_polar4,gram_polar4_fp16
     python tests/golden/muon_ab.py --steps 64 --arms newton_schulz,gram_symmetric,gram_symmetric_fp16
 
 `gram_fp16` (`gram_symmetric_fp16`) is the Gram form (its symmetric products, optim.muon_gram_blocks' default)
-in the GPU's float16 (on a CPU `gram` runs it in float32, docs/PERF.md 3.7).
+in the GPU's float16 (on a CPU `gram` runs it in float32, docs/PERF.md 3.7). `polar_express` is the standard form
+with the published 5-step Polar Express schedule; `gram_polar4` the Gram form with a schedule made for 4 iterations
+from 3e-3 (optim.muon_coefficients=polar_express, muon_ns_steps=4, muon_polar_lower=3e-3).
 Prints every arm's losses, each arm's largest and mean |loss - newton_schulz's| and its final loss;
 docs/PERF.md 3.7 holds the figures."""
 
@@ -29,13 +32,21 @@ from dflash_train.train.optim import muon  # noqa: E402
 from dflash_train.train.loop import train  # noqa: E402
 
 
+ARMS = {  # arm (less _fp16) -> its overrides
+    "newton_schulz": ("optim.muon_iteration=newton_schulz",), "gram": ("optim.muon_iteration=gram",),
+    "gram_symmetric": ("optim.muon_iteration=gram_symmetric",),
+    "polar_express": ("optim.muon_iteration=newton_schulz", "optim.muon_coefficients=polar_express"),
+    "gram_polar4": ("optim.muon_iteration=gram", "optim.muon_coefficients=polar_express", "optim.muon_ns_steps=4",
+                    "optim.muon_polar_lower=3e-3"),
+}
+
+
 def losses(target_dir: Path, out_dir: Path, arm: str, steps: int) -> list[float]:
-    iteration = arm.removesuffix("_fp16")
     real = muon.gram_orthogonalise
     if arm.endswith("_fp16"):  # args: coefficients, safety, eps, dtype, blocks
         muon.gram_orthogonalise = lambda x, *args: real(x, *args[:3], torch.float16, *args[4:])
     try:
-        train(golden_config(target_dir, out_dir, "optim.name=muon", f"optim.muon_iteration={iteration}",
+        train(golden_config(target_dir, out_dir, "optim.name=muon", *ARMS[arm.removesuffix("_fp16")],
                             f"train.max_steps={steps}", "train.epochs=100", "train.eval_every=1000",
                             "train.ckpt_every=1000"))
     finally:

@@ -25,14 +25,14 @@ Muon resumes here and back), computed as a training step wants it (`Muon`):
   all-gathers the bf16 results (Keller Jordan's reference and Moonlight's distributed Muon); the
   momentum is advanced on every rank from the reduced gradient (elementwise, cheap), so each rank
   holds the whole state and a checkpoint needs no gather.
-`optim.muon_iteration=polar_express` orthogonalises with Polar Express's per-iteration coefficients
-(Amsel et al. 2025, arXiv 2505.16932; modded-nanogpt's 5-step schedule, 2 % safety factor), the
-first `muon_ns_steps` of them. Measured here (tests/train/optim/test_muon_step.py, docs/PERF.md): at 5
-iterations, the FLOPs of torch's 5, its singular values end in [0.86, 1.14] where torch's quintic
-leaves [0.68, 1.20] (matrices with singular values over 1-2 decades); cut to 4 iterations (one
-fewer) that schedule ends in [0.42, 1.57]: a cheaper iteration needs a schedule made for 4 steps,
-which is not here.
-`optim.muon_iteration=gram` (the default) runs torch's quintic in its Gram form (`gram_orthogonalise`)
+`optim.muon_coefficients=polar_express` orthogonalises with Polar Express's per-iteration quintics (Amsel et
+al. 2025, arXiv 2505.16932), a schedule made for `muon_ns_steps` iterations (train/optim/polar_express.py: at 5
+iterations modded-nanogpt's published one, normalised with its 2 % margin). Measured here
+(tests/train/optim/test_muon_step.py, docs/PERF.md): at 5 iterations its singular values end in [0.86, 1.14] where
+torch's quintic leaves [0.68, 1.20]; the published schedule's first 4 alone leave [0.42, 1.57], a schedule made
+for 4 from singular values down to 3e-3 (`muon_polar_lower`) [0.78, 1.21] for every one >= 3e-3. The
+coefficients are independent of the form below: each form runs whichever schedule it is given.
+`optim.muon_iteration=gram` (the default) runs the quintics in their Gram form (`gram_orthogonalise`)
 on every batch where that form takes fewer FLOPs (`uses_gram`: the wide ones, long side > 1.5x the
 short; at the paper shapes gate/up/down, k/v and fc; q and o are square and keep the standard form):
 the same polynomial, 101.3 -> 79.5 TFLOP per step at the paper shapes. Its float16 arithmetic is
@@ -60,19 +60,14 @@ import torch
 import torch.distributed as dist
 
 from dflash_train.model.drafter.heads.architectures import outside_muon
+from dflash_train.train.optim.polar_express import PUBLISHED_LOWER, polar_express_schedule
 from dflash_train.train.optim.symmetric import padded, symmetric_baddbmm, symmetric_flops
 
 MUON_EXCLUDED = ("embed_tokens", "lm_head")  # the target's tables, should they ever be trained
 TORCH_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's (Keller Jordan's quintic)
-POLAR_EXPRESS = (  # per iteration (a, b, c); arXiv 2505.16932, modded-nanogpt's 5-step schedule
-    (8.156554524902461, -22.48329292557795, 15.878769915207462),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
-)
-POLAR_EXPRESS_SAFETY = 1.02  # the spectral norm bound's margin for bf16 rounding
-ITERATIONS = ("newton_schulz", "polar_express", "gram", "gram_symmetric")
+POLAR_EXPRESS_SAFETY = 1.02  # Polar Express normalises to spectral norm <= 1 / 1.02: a margin for bf16 rounding
+ITERATIONS = ("newton_schulz", "gram", "gram_symmetric")
+COEFFICIENTS = ("torch", "polar_express")
 EPS = 1e-7  # torch.optim.Muon's
 
 
@@ -99,17 +94,15 @@ def describe_split(muon: list, adamw: list) -> str:
     return part("Muon ", muon) + "\n" + part("AdamW", adamw)
 
 
-def ns_schedule(iteration: str, ns_steps: int) -> tuple[tuple[tuple[float, float, float], ...], float]:
-    """(coefficients per iteration, norm safety factor) of `optim.muon_iteration` at `muon_ns_steps`
-    (`gram` and `gram_symmetric` run torch's coefficients; the form is chosen per batch by `orthogonalise`)."""
-    if iteration in ("newton_schulz", "gram", "gram_symmetric"):
+def ns_schedule(coefficients: str, ns_steps: int, lower: float = PUBLISHED_LOWER
+                ) -> tuple[tuple[tuple[float, float, float], ...], float]:
+    """(quintic per iteration, norm safety factor) of `optim.muon_coefficients` at `muon_ns_steps` iterations
+    (`lower`: `optim.muon_polar_lower`, read by polar_express only)."""
+    if coefficients == "torch":
         return (TORCH_COEFFICIENTS,) * ns_steps, 1.0
-    if iteration == "polar_express":
-        if not 1 <= ns_steps <= len(POLAR_EXPRESS):
-            raise ValueError(f"optim.muon_iteration=polar_express runs the first muon_ns_steps iterations of its "
-                             f"{len(POLAR_EXPRESS)}-step schedule: muon_ns_steps must be in 1..{len(POLAR_EXPRESS)}")
-        return POLAR_EXPRESS[:ns_steps], POLAR_EXPRESS_SAFETY
-    raise ValueError(f"optim.muon_iteration={iteration!r}: expected one of {', '.join(ITERATIONS)}")
+    if coefficients == "polar_express":
+        return polar_express_schedule(ns_steps, lower), POLAR_EXPRESS_SAFETY
+    raise ValueError(f"optim.muon_coefficients={coefficients!r}: expected one of {', '.join(COEFFICIENTS)}")
 
 
 def orthogonalise(updates: torch.Tensor, coefficients, safety: float = 1.0, eps: float = EPS,
@@ -242,11 +235,14 @@ class Muon(torch.optim.Optimizer):
     `gram_symmetric` only."""
 
     def __init__(self, params, *, lr: float, weight_decay: float, momentum: float, ns_steps: int,
-                 iteration: str = "newton_schulz", compiled: bool = False, gram_blocks: int = 1):
+                 iteration: str = "newton_schulz", compiled: bool = False, gram_blocks: int = 1,
+                 coefficients: str = "torch", polar_lower: float = PUBLISHED_LOWER):
         super().__init__(params, dict(lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=True,
                                       ns_coefficients=TORCH_COEFFICIENTS, eps=EPS, ns_steps=ns_steps,
                                       adjust_lr_fn="match_rms_adamw"))
-        self.schedule = ns_schedule(iteration, ns_steps)
+        if iteration not in ITERATIONS:
+            raise ValueError(f"optim.muon_iteration={iteration!r}: expected one of {', '.join(ITERATIONS)}")
+        self.schedule = ns_schedule(coefficients, ns_steps, polar_lower)
         self.gram = iteration in ("gram", "gram_symmetric")
         self.blocks = gram_blocks if iteration == "gram_symmetric" else 1
         if iteration == "gram_symmetric" and gram_blocks < 2:
@@ -338,15 +334,12 @@ class MuonAdamW(torch.optim.Optimizer):
     skipped, exactly and on the device, when `found_inf` is 1 (both set by `step.clip_and_step` /
     `optim.step_unless`, as for the fused AdamW)."""
 
-    def __init__(self, muon_params: list[torch.Tensor], adamw, *, lr: float, weight_decay: float, momentum: float,
-                 ns_steps: int, master: bool, iteration: str = "newton_schulz", compiled: bool = False,
-                 gram_blocks: int = 1):
+    def __init__(self, muon_params: list[torch.Tensor], adamw, *, master: bool, **muon_settings):
+        """`muon_settings`: `Muon`'s keyword arguments (lr, weight_decay, momentum, ns_steps, iteration, ...)."""
         self.adamw = adamw  # MasterWeightAdamW (with `master`) or torch's AdamW, over the other parameters
         self.params = list(muon_params)  # the module's Muon parameters (bf16 with `master`)
         self.masters = [p.detach().float().clone() for p in self.params] if master else None
-        self.muon = Muon(self.masters if master else self.params, lr=lr, weight_decay=weight_decay,
-                         momentum=momentum, ns_steps=ns_steps, iteration=iteration, compiled=compiled,
-                         gram_blocks=gram_blocks)
+        self.muon = Muon(self.masters if master else self.params, **muon_settings)
         self.param_dtype = getattr(adamw, "param_dtype", None) if master else None
         self.grad_scale: torch.Tensor | None = None
         self.found_inf: torch.Tensor | None = None

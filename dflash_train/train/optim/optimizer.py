@@ -161,7 +161,8 @@ def build_optimizer(params, cfg: OptimConfig, total_steps: int, budget: TimeBudg
     if cfg.name == "muon":
         optimizer = MuonAdamW([p for _, p in muon], optimizer, lr=cfg.lr, weight_decay=cfg.muon_weight_decay,
                               momentum=cfg.muon_momentum, ns_steps=cfg.muon_ns_steps, master=master,
-                              iteration=cfg.muon_iteration, compiled=cuda, gram_blocks=cfg.muon_gram_blocks)
+                              iteration=cfg.muon_iteration, compiled=cuda, gram_blocks=cfg.muon_gram_blocks,
+                              coefficients=cfg.muon_coefficients, polar_lower=cfg.muon_polar_lower)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, cfg.warmup_ratio, cfg.min_lr_ratio,
                                           budget.steps if budget else None))
