@@ -33,6 +33,7 @@ from dflash_train.train.feed import balance
 from dflash_train.train import setup
 from dflash_train.train.feed.balance import ComputeTimer
 from dflash_train.train.feed.batching import MicroBatch
+from dflash_train.train.state import background
 from dflash_train.train.state.checkpoint import (Checkpointer, DrafterState, ResumePoint, RNGState, TrainProgress,
                                                  export_checkpoint, provenance)
 from dflash_train.train.watch.health import BadStepGuard, CompileHealthWatch, FaultPlan, NonFiniteSteps
@@ -252,7 +253,8 @@ def _train_drafter(p: Process, s: Setup) -> dict:
         coverage = anchor_coverage([sample.loss_mask for sample in s.data.train], cfg.train.num_anchors)
         log(setup.describe(cfg, s.dcfg, topo, len(s.data.train), len(s.data.held_out), s.total_steps,
                            s.feed.plan.accum, s.kernels, s.feed.spec.bytes_per_token, coverage))
-    last_sim = _loop(p, s, t)
+    with background.settled_on_error(s.checkpointer.wait, log):  # a resume right after finds the checkpoint whole
+        last_sim = _loop(p, s, t)
     p.vote.finish()  # the last checkpoint is written: every rank may leave
     p.watch.stop()  # (and the main one exports and evaluates alone)
     stopped = p.vote.interruption(p.stop, topo, t.progress.step)
@@ -340,7 +342,7 @@ def _one_step(p: Process, s: Setup, t: Training, timer: ComputeTimer, profiler: 
     progress.step += 1
     t.states["health"].record(progress.step, mbs, flags)
     if _balance_due(p, s, progress.step):
-        balance.share_and_report("drafter", timer.seconds_per_sequence(), topo, p.log, _bytes_per_sequence(mbs))
+        balance.share_and_report("drafter", timer.seconds_per_sequence(), topo, p.log, balance.bytes_per_sequence(mbs))
     p.watchdog.timeout_s = p.cfg.train.watchdog_seconds  # warm-up (compilation) is over: strict from now
     p.faults.inject_fault(topo.rank, progress.step)
     return epoch, mbs, stats, grad_norm
@@ -418,12 +420,6 @@ def _check_finite(guard: BadStepGuard, s: Setup) -> None:
 def _end(s: Setup, budget: TimeBudget) -> int:
     """The last step: a time budget's recorded decision, else the configured total."""
     return budget.steps if budget.steps is not None else s.total_steps
-
-
-def _bytes_per_sequence(mbs: list[MicroBatch]) -> float:
-    """Bytes from the target per sequence (every tensor of the bundle)."""
-    sent = sum(t.numel() * t.element_size() for mb in mbs for t in mb.from_target.values())
-    return sent / sum(mb.input_ids.shape[0] for mb in mbs)
 
 
 def _log_step(metrics: MetricsLog, record: dict) -> None:

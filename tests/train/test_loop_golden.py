@@ -11,10 +11,12 @@ Sensitivity, measured by hand (2026-12-01, scratch runs through `differences`): 
 
 import json
 import os
+import time
 
 import pytest
 
 from dflash_train.train.loop import train
+from dflash_train.train.state import checkpoint
 from tests.conftest import save_tiny_qwen3_dir
 from tests.golden.loop_golden import (CKPT_EVERY, STEPS, TARGET_INIT_STD, differences, golden_config, load_golden,
                                       trajectory)
@@ -66,12 +68,16 @@ def assert_best_is_an_evaluated_checkpoint(out, result: dict) -> None:
 
 def test_a_run_stopped_after_a_checkpoint_resumes_onto_the_golden_trajectory(target_dir, tmp_path, monkeypatch):
     """A failure one step after the first checkpoint, then `train.resume=true`: the metrics file
-    (cut back to the checkpoint on resume) reads as the uninterrupted golden run."""
+    (cut back to the checkpoint on resume) reads as the uninterrupted golden run. The checkpoint is written
+    beside the training and slowed to ~1 s here: the error waits for it, so the resume finds it whole."""
     out = tmp_path / "run"
     monkeypatch.setenv("DFLASH_INJECT_FAULT", f"raise:rank=0:step={CKPT_EVERY + 1}")
+    real = checkpoint.save_trainer
+    monkeypatch.setattr(checkpoint, "save_trainer", lambda *args: (time.sleep(1.0), real(*args)))
     with pytest.raises(RuntimeError, match="injected fault"):
         train(golden_config(target_dir, out))
     assert (out / "checkpoints" / f"step_{CKPT_EVERY:08d}").is_dir()
+    monkeypatch.setattr(checkpoint, "save_trainer", real)
     monkeypatch.delenv("DFLASH_INJECT_FAULT")
     assert "DFLASH_INJECT_FAULT" not in os.environ
     result = train(golden_config(target_dir, out, "train.resume=true"))

@@ -89,3 +89,9 @@ def share_and_report(role: str, seconds_per_seq: float, topo, log, taps_bytes_pe
         f"{taps_bytes_per_seq / t_drafter / 1e6:.1f} MB/s of taps")
     return {"target_seq_per_s": 1 / t_target, "drafter_seq_per_s": 1 / t_drafter, "ratio": ratio,
             "suggested_target_ranks": suggested_targets}
+
+
+def bytes_per_sequence(mbs) -> float:
+    """Bytes from the target per sequence of a step's micro-batches (every tensor of their bundles)."""
+    sent = sum(t.numel() * t.element_size() for mb in mbs for t in mb.from_target.values())
+    return sent / sum(mb.input_ids.shape[0] for mb in mbs)

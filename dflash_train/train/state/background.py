@@ -21,6 +21,7 @@ where fork fails (no memory for the page tables), the write runs in the caller.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import os
 import signal
@@ -77,6 +78,21 @@ class ForkedWrite:
         if code == 0:
             return None
         return message or f"the writer of {self.what} (pid {self.pid}) ended with status {code}"
+
+
+@contextlib.contextmanager
+def settled_on_error(wait, log):
+    """Work beside a background write: an error leaving the block first waits for the write in flight (`wait`),
+    so a run resumed right after in this process (or a caller that looks) finds that checkpoint whole, not still
+    being written; the write's own failure is logged and the error that ended the work is the one raised."""
+    try:
+        yield
+    except BaseException:
+        try:
+            wait()
+        except OSError as e:  # CheckpointWriteError
+            log(f"checkpoint: {e}")
+        raise
 
 
 def _child(write, read_end: int, write_end: int) -> None:

@@ -79,6 +79,35 @@ def test_a_failed_background_write_is_raised_at_the_next_wait_and_leaves_nothing
     ckpt.wait()  # raised once; nothing in flight now
 
 
+def test_an_error_leaving_the_training_waits_for_the_write_in_flight_and_stays_the_error_raised(tmp_path, monkeypatch):
+    """The write is slowed to ~1 s: without the wait the step directory would not exist yet when the error
+    arrives (the race a resume in the same process, e.g. tests/train/test_loop_golden.py, lost once in CI)."""
+    real = checkpoint.save_trainer
+
+    def slow(trainer, path):
+        import time
+        time.sleep(1.0)
+        real(trainer, path)
+
+    monkeypatch.setattr(checkpoint, "save_trainer", slow)  # the forked child inherits it
+    ckpt, said = Checkpointer(tmp_path, 2), []
+    with pytest.raises(KeyError, match="the run's own error"):
+        with background.settled_on_error(ckpt.wait, said.append):
+            ckpt.save(2, _state(), {"train": _progress(2)}, {}, background_write=True)
+            raise KeyError("the run's own error")
+    assert ckpt.latest().name == "step_00000002" and not damage(ckpt.latest()) and said == []
+
+    def full_disk(trainer, path):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "save_trainer", full_disk)
+    with pytest.raises(KeyError, match="the run's own error"):  # the write's failure is said, not raised over it
+        with background.settled_on_error(ckpt.wait, said.append):
+            ckpt.save(4, _state(), {"train": _progress(4)}, {}, background_write=True)
+            raise KeyError("the run's own error")
+    assert len(said) == 1 and "step_00000004 not written" in said[0] and "No space left" in said[0]
+
+
 def test_host_copy_copies_only_what_is_not_on_the_host():
     host = torch.ones(3)
     nested = {"a": [host, (host, 2)], "b": "text"}
