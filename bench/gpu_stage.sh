@@ -19,7 +19,7 @@
 # for it, copying its stamped log and GPU utilisation to $OUT: call it back to back (the machine goes back after 30 s
 # idle) until the verdict; `export NAME [FROM]` returns the exported drafter in 15-MiB parts (cat them here) when the device
 # budget ends before the eval does (session 28: the 20-minute point, `bg m20 --recipe gpu_long`).
-# Steps: part0 | install | census | tests | py SCRIPT [args] (a bench script, its log and JSON under $OUT, named $TAG if set) | arm NAME [overrides...] | curve POINTS [overrides...] | bg NAME [args...] | watch NAME SECS | export NAME [FROM] | evaltree NAME DIR TAG | peer NAME | peereval NAME | peerall NAME
+# Steps: part0 | install | census | tests | py SCRIPT [args] (a bench script, its log and JSON under $OUT, named $TAG if set) | arm NAME [overrides...] | curve POINTS [overrides...] | bg NAME [args...] | watch NAME SECS | export NAME [FROM] | evaltree NAME DIR TAG | muon | peer NAME | peereval NAME | peerall NAME
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 R=/tmp/run; P=/tmp/parts; mkdir -p $R $P $R/data
@@ -81,6 +81,18 @@ case "$1" in
       $R/parts_$name/model.safetensors.part && sha256sum $e/model.safetensors > $R/parts_$name/done; }
     [ $from -eq 0 ] && cp $e/*.json $R/parts_$name/done $OUT/export/
     ls $R/parts_$name/model.safetensors.part* | tail -n +$((from + 1)) | head -4 | xargs -I{} cp {} $OUT/export/ ;;
+  muon)
+    # `muon`: Muon's Newton-Schulz at the paper shapes, torch's 5 iterations against the Polar Express schedule made for
+    # 4 (optim.muon_coefficients=polar_express, muon_ns_steps=4, muon_polar_lower=3e-3): the iteration alone, then the
+    # DSpark b8 step with AdamW, Muon and Muon with the 4-step schedule (issue 37's Muon / AdamW ratio); wheels only
+    site; log "muon"; PE="--coefficients polar_express --ns-steps 4 --polar-lower 3e-3"
+    for tag in torch5 pe4; do X=$([ $tag = pe4 ] && echo $PE); timeout 150 python3 bench/muon_iterations.py --no-quality \
+      $X --json $OUT/mi_$tag.json > $OUT/mi_$tag.log 2>&1; log "muon_iterations $tag: $(grep -h VERDICT $OUT/mi_$tag.log)"; done
+    A="--arch dspark --block-size 8 --loss kl --steps 12 --warmup 3 --no-attn-ratio --precision fp8 --fp8-lm-head --chunk-tokens 4096"
+    for arm in adamw muon5 muon_pe4 adamw2; do
+      X=$(case $arm in muon5) echo --optim muon;; muon_pe4) echo --optim muon ${PE//--/--muon-};; esac)
+      timeout 200 python3 bench/drafter_step.py $A $X --json $OUT/ds_$arm.json > $OUT/ds_$arm.log 2>&1
+      log "drafter_step $arm: $(grep -h VERDICT $OUT/ds_$arm.log)"; done ;;
   evaltree)
     # `evaltree NAME DIR TAG`: `dflash-train eval` of arm NAME's exported drafter, run from the tree in DIR (e.g. an older
     # `git archive` carried beside), so two trees' evals of one drafter time the same work on one machine
