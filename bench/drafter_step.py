@@ -40,6 +40,7 @@ import torch  # noqa: E402
 from bench import _common as C  # noqa: E402
 from dflash_train.config import RunConfig  # noqa: E402
 from dflash_train.model.drafter.heads.architectures import HEAD_NAMES  # noqa: E402
+from dflash_train.train.optim.muon import COEFFICIENTS, ITERATIONS  # noqa: E402
 
 DEFAULTS = RunConfig()  # the trainer's defaults: what "the new defaults" of a recipe change mean here
 
@@ -74,14 +75,14 @@ def parse(argv=None):
     p.add_argument("--fp8-filter", choices=("auto", "all"), default="auto",
                    help="with --precision fp8: which linears convert (train.fp8_filter: auto = torchao's size rule)")
     p.add_argument("--optim", choices=("adamw", "muon"), default="adamw", help="optim.name (default adamw)")
-    p.add_argument("--muon-iteration", choices=("newton_schulz", "gram", "gram_symmetric"),
+    p.add_argument("--muon-iteration", choices=ITERATIONS,
                    default=DEFAULTS.optim.muon_iteration,
                    help=f"optim.muon_iteration: how --optim muon orthogonalises (default {DEFAULTS.optim.muon_iteration})")
     p.add_argument("--muon-gram-blocks", type=int, default=DEFAULTS.optim.muon_gram_blocks,
                    help=f"optim.muon_gram_blocks: gram_symmetric's blocks (default {DEFAULTS.optim.muon_gram_blocks})")
     p.add_argument("--muon-ns-steps", type=int, default=DEFAULTS.optim.muon_ns_steps,
                    help=f"optim.muon_ns_steps (default {DEFAULTS.optim.muon_ns_steps})")
-    p.add_argument("--muon-coefficients", choices=("torch", "polar_express"), default=DEFAULTS.optim.muon_coefficients,
+    p.add_argument("--muon-coefficients", choices=COEFFICIENTS, default=DEFAULTS.optim.muon_coefficients,
                    help=f"optim.muon_coefficients (default {DEFAULTS.optim.muon_coefficients})")
     p.add_argument("--muon-polar-lower", type=float, default=DEFAULTS.optim.muon_polar_lower,
                    help=f"optim.muon_polar_lower (default {DEFAULTS.optim.muon_polar_lower:g})")

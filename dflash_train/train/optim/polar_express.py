@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 Quintic = tuple[float, float, float]
 PUBLISHED_LOWER, CUSHION, SAFETY = 1e-3, 0.02, 0.02  # modded-nanogpt's schedule's settings (module doc)
 PUBLISHED_SCHEDULE = (  # modded-nanogpt's 5-step schedule: what `polar_express_schedule(5)` must reproduce
@@ -33,24 +35,10 @@ PUBLISHED_SCHEDULE = (  # modded-nanogpt's 5-step schedule: what `polar_express_
 )
 
 
-def apply(coefficients: Quintic, s: float) -> float:
+def apply(coefficients: Quintic, s):
+    """p(s) for a float or a tensor of singular values."""
     a, b, c = coefficients
     return a * s + b * s ** 3 + c * s ** 5
-
-
-def _solve4(rows: list[list[float]], rhs: list[float]) -> list[float]:
-    """Gaussian elimination with partial pivoting for the 4 x 4 Remez system (float64, no numpy needed)."""
-    m = [row[:] + [r] for row, r in zip(rows, rhs)]
-    for col in range(4):
-        pivot = max(range(col, 4), key=lambda i: abs(m[i][col]))
-        m[col], m[pivot] = m[pivot], m[col]
-        for i in range(col + 1, 4):
-            f = m[i][col] / m[col][col]
-            m[i] = [x - f * y for x, y in zip(m[i], m[col])]
-    out = [0.0] * 4
-    for i in reversed(range(4)):
-        out[i] = (m[i][4] - sum(m[i][j] * out[j] for j in range(i + 1, 4))) / m[i][i]
-    return out
 
 
 def _critical_points(coefficients: Quintic, lo: float, hi: float) -> list[float]:
@@ -70,7 +58,8 @@ def minimax_quintic(lo: float, hi: float, iterations: int = 100) -> Quintic:
     points = [lo + (hi - lo) * k / 3 for k in range(4)]
     coefficients = (0.0, 0.0, 0.0)
     for _ in range(iterations):
-        a, b, c, _error = _solve4([[s, s ** 3, s ** 5, (-1.0) ** k] for k, s in enumerate(points)], [1.0] * 4)
+        rows = torch.tensor([[s, s ** 3, s ** 5, (-1.0) ** k] for k, s in enumerate(points)], dtype=torch.float64)
+        a, b, c, _error = torch.linalg.solve(rows, torch.ones(4, dtype=torch.float64)).tolist()  # p(s_k) + (-1)^k E = 1
         coefficients = (a, b, c)
         inner = _critical_points(coefficients, lo, hi)
         if len(inner) != 2:  # the exchange left the interval: keep the last solve (never seen at Muon's intervals)
@@ -103,10 +92,7 @@ def polar_express_schedule(steps: int, lower: float = PUBLISHED_LOWER, cushion: 
 
 def final_band(schedule, lower: float, points: int = 20001) -> tuple[float, float]:
     """(min, max) of the schedule's map over singular values in [lower, 1], log-spaced (float64)."""
-    lows, highs = math.inf, -math.inf
-    for k in range(points):
-        s = lower ** (1 - k / (points - 1))
-        for coefficients in schedule:
-            s = apply(coefficients, s)
-        lows, highs = min(lows, s), max(highs, s)
-    return lows, highs
+    s = torch.logspace(math.log10(lower), 0, points, dtype=torch.float64)
+    for coefficients in schedule:
+        s = apply(coefficients, s)
+    return float(s.min()), float(s.max())

@@ -3,6 +3,10 @@ checkpoint as a write in the caller, of the state as it was when `save` returned
 at the next `wait`, naming its cause."""
 
 import json
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,7 +89,6 @@ def test_an_error_leaving_the_training_waits_for_the_write_in_flight_and_stays_t
     real = checkpoint.save_trainer
 
     def slow(trainer, path):
-        import time
         time.sleep(1.0)
         real(trainer, path)
 
@@ -121,12 +124,9 @@ def test_host_copy_copies_only_what_is_not_on_the_host():
 def test_a_write_that_fails_after_its_run_ended_is_said_at_exit(tmp_path):
     """A run that ends (an error) while a write is in flight: the interpreter's exit waits for it, and its
     failure is printed, since no later `wait` will raise it."""
-    import subprocess
-    import sys
-
     script = f"""
 import sys
-sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parent)!r})
+sys.path.insert(0, {str(Path(__file__).parent)!r})
 from state_helpers import drafter_state
 from dflash_train.train.state import checkpoint
 from dflash_train.train.state.checkpoint import Checkpointer, TrainProgress
