@@ -85,17 +85,18 @@ case "$1" in
     # `muon`: Muon's Newton-Schulz at the paper shapes, torch's 5 iterations against Polar Express schedules made for
     # 4 (optim.muon_coefficients=polar_express, muon_ns_steps=4, muon_polar_lower=3e-3) and for 3 (lower 1e-2): the
     # iteration alone, then the DSpark b8 step with AdamW and with each Muon (issue 37's Muon / AdamW ratio); wheels
-    # only. MUON_ARMS picks the steps' arms (default: adamw muon5 muon_pe4 muon_pe3; adamw2 repeats adamw)
-    site; log "muon"
+    # only. MUON_ARMS picks the steps' arms (default: adamw muon5 muon_pe4 muon_pe3; adamw2 repeats adamw), MUON_MB the
+    # micro-batches per optimizer step (default 1; issue 37's second ratio is at 8), MUON_ITER=0 skips the iteration alone
+    site; log "muon"; mb=${MUON_MB:-1}
     pe() { case $1 in *pe4) echo "--coefficients polar_express --ns-steps 4 --polar-lower 3e-3";;
       *pe3) echo "--coefficients polar_express --ns-steps 3 --polar-lower 1e-2";; esac; }
-    for tag in torch5 pe4 pe3; do X=$(pe $tag); timeout 120 python3 bench/muon_iterations.py --no-quality \
+    for tag in $([ "${MUON_ITER:-1}" = 0 ] || echo torch5 pe4 pe3); do X=$(pe $tag); timeout 120 python3 bench/muon_iterations.py --no-quality \
       $X --json $OUT/mi_$tag.json > $OUT/mi_$tag.log 2>&1; log "muon_iterations $tag: $(grep -h VERDICT $OUT/mi_$tag.log)"; done
-    A="--arch dspark --block-size 8 --loss kl --steps 12 --warmup 3 --no-attn-ratio --precision fp8 --fp8-lm-head --chunk-tokens 4096"
+    A="--arch dspark --block-size 8 --loss kl --steps 12 --warmup 3 --no-attn-ratio --precision fp8 --fp8-lm-head --chunk-tokens 4096 --micro-batches $mb"
     for arm in ${MUON_ARMS:-adamw muon5 muon_pe4 muon_pe3}; do
       X=$(case $arm in muon5) echo --optim muon;; muon_pe*) P=$(pe $arm); echo --optim muon ${P//--/--muon-};; esac)
-      timeout 200 python3 bench/drafter_step.py $A $X --json $OUT/ds_$arm.json > $OUT/ds_$arm.log 2>&1
-      log "drafter_step $arm: $(grep -h VERDICT $OUT/ds_$arm.log)"; done ;;
+      timeout 200 python3 bench/drafter_step.py $A $X --json $OUT/ds_${arm}_mb$mb.json > $OUT/ds_${arm}_mb$mb.log 2>&1
+      log "drafter_step $arm mb$mb: $(grep -h VERDICT $OUT/ds_${arm}_mb$mb.log)"; done ;;
   evaltree)
     # `evaltree NAME DIR TAG`: `dflash-train eval` of arm NAME's exported drafter, run from the tree in DIR (e.g. an older
     # `git archive` carried beside), so two trees' evals of one drafter time the same work on one machine
