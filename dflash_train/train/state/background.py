@@ -14,8 +14,10 @@ touches CUDA (a forked child cannot), never prints (another thread of the parent
 lock when it forked), ignores the stop signals (a Ctrl-C of the terminal reaches the whole process group: the
 write it was asked for completes, atomically, in about a second) and disables the garbage collector (the
 parent's objects are not its to free). Its error comes back through a pipe as text and is raised by the
-parent at `wait` (the next checkpoint, the final one, or the interpreter's exit). Linux only; elsewhere, or
-where fork fails (no memory for the page tables), the write runs in the caller.
+parent at `wait` (the next checkpoint, the final one, or the interpreter's exit). A wait that lasts says so
+every `SAY_EVERY` seconds on stderr (a hung file system holds the next checkpoint or the exit: said, with the
+writer's pid, never a silent stall). Linux only; elsewhere, or where fork fails (no memory for the page
+tables), the write runs in the caller.
 """
 
 from __future__ import annotations
@@ -24,13 +26,16 @@ import atexit
 import contextlib
 import gc
 import os
+import select
 import signal
 import sys
+import time
 import warnings
 
 import torch
 
 _PENDING: set["ForkedWrite"] = set()
+SAY_EVERY = 30.0  # seconds between the lines a long wait for a writer prints (a checkpoint takes ~1 s)
 
 
 def supported() -> bool:
@@ -69,7 +74,14 @@ class ForkedWrite:
         self.pid, self.fd = pid, read_end
         _PENDING.add(self)
 
-    def wait(self) -> str | None:
+    def wait(self, say=None, every: float | None = None) -> str | None:
+        """The write to its end; its error message, or None. While it lasts, `say` (default: stderr) hears
+        every `every` seconds (default `SAY_EVERY`) what is awaited and for how long."""
+        say, every, start = say or _say_on_stderr, every or SAY_EVERY, time.monotonic()
+        while not select.select([self.fd], [], [], every)[0]:  # readable: the child's error, or its exit (EOF)
+            say(f"checkpoint: still waiting for the writer of {self.what} (pid {self.pid}) after "
+                f"{time.monotonic() - start:.0f} s; a Ctrl-C leaves it to finish on its own (it ignores stop "
+                f"signals; its files are renamed into place only when whole)")
         with os.fdopen(self.fd, "rb") as pipe:
             message = pipe.read().decode(errors="replace").strip()
         _, status = os.waitpid(self.pid, 0)
@@ -78,6 +90,10 @@ class ForkedWrite:
         if code == 0:
             return None
         return message or f"the writer of {self.what} (pid {self.pid}) ended with status {code}"
+
+
+def _say_on_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager

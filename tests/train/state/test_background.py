@@ -111,6 +111,18 @@ def test_an_error_leaving_the_training_waits_for_the_write_in_flight_and_stays_t
     assert len(said) == 1 and "step_00000004 not written" in said[0] and "No space left" in said[0]
 
 
+def test_a_long_wait_for_the_writer_is_said_with_its_pid_and_a_short_one_is_not():
+    """A hung file system holds the next checkpoint (or the exit) in `wait`: said every `every` seconds."""
+    slow, said = background.ForkedWrite(lambda: time.sleep(1.3), "checkpoint /x/step_00000007"), []
+    assert slow.wait(say=said.append, every=0.4) is None
+    assert 2 <= len(said) <= 4, said
+    assert all(f"writer of checkpoint /x/step_00000007 (pid {slow.pid})" in line for line in said)
+    assert [int(line.split(" after ")[1].split(" s")[0]) for line in said] == sorted(
+        int(line.split(" after ")[1].split(" s")[0]) for line in said)
+    fast, quiet = background.ForkedWrite(lambda: None, "checkpoint /x/step_00000008"), []
+    assert fast.wait(say=quiet.append, every=5.0) is None and quiet == []
+
+
 def test_host_copy_copies_only_what_is_not_on_the_host():
     host = torch.ones(3)
     nested = {"a": [host, (host, 2)], "b": "text"}
@@ -138,3 +150,24 @@ Checkpointer({str(tmp_path)!r}, 2).save(4, drafter_state(), {{"train": TrainProg
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "checkpoint:" in done.stderr and "step_00000004 not written" in done.stderr and "No space left" in done.stderr
+
+
+def test_an_exit_held_by_a_slow_writer_says_so_on_stderr(tmp_path):
+    """The interpreter's exit waits for the write in flight; a long wait is said there too, not a silent stall."""
+    script = f"""
+import sys, time
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+from state_helpers import drafter_state
+from dflash_train.train.state import background, checkpoint
+from dflash_train.train.state.checkpoint import Checkpointer, TrainProgress
+real = checkpoint.save_trainer
+def slow(trainer, path):
+    time.sleep(1.5)
+    real(trainer, path)
+checkpoint.save_trainer, background.SAY_EVERY = slow, 0.4
+Checkpointer({str(tmp_path)!r}, 2).save(4, drafter_state(), {{"train": TrainProgress()}}, {{}}, background_write=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "checkpoint: still waiting for the writer of checkpoint" in done.stderr and "step_00000004" in done.stderr
+    assert (tmp_path / "checkpoints" / "step_00000004" / "trainer.pt").exists()
