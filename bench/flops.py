@@ -152,17 +152,10 @@ def newton_schulz_flops(shapes, iterations: int = 5, iteration: str = "newton_sc
     if str(REPO) not in sys.path:
         sys.path.insert(0, str(REPO))
     from dflash_train.config import OptimConfig
-    from dflash_train.train.optim.muon import ns_flops, uses_gram
+    from dflash_train.train.optim.muon import step_ns_flops
 
-    blocks = 1
-    if iteration == "gram_symmetric":
-        blocks = OptimConfig().muon_gram_blocks if gram_blocks is None else gram_blocks
-    total = 0.0
-    for a, b in shapes:
-        m, n = min(a, b), max(a, b)
-        gram = iteration in ("gram", "gram_symmetric") and uses_gram(m, n, iterations, blocks)
-        total += ns_flops(m, n, iterations, gram=gram, blocks=blocks)
-    return total
+    blocks = OptimConfig().muon_gram_blocks if gram_blocks is None else gram_blocks
+    return float(step_ns_flops(shapes, iterations, iteration, blocks))
 
 
 def drafter_matrix_shapes(hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, intermediate: int,

@@ -197,6 +197,29 @@ def ns_flops(short: int, long: int, steps: int, gram: bool = False, blocks: int 
     return total
 
 
+def step_ns_flops(shapes, steps: int, iteration: str, blocks: int = 1) -> int:
+    """Matmul FLOPs of one optimizer step's orthogonalisation of matrices `shapes` [(A, B), ...] as `Muon.update`
+    runs them with `optim.muon_iteration` (`blocks`: optim.muon_gram_blocks, read by gram_symmetric only): the
+    same whatever the step's batch."""
+    blocks = blocks if iteration == "gram_symmetric" else 1
+    total = 0
+    for a, b in shapes:
+        m, n = min(a, b), max(a, b)
+        gram = iteration in ("gram", "gram_symmetric") and uses_gram(m, n, steps, blocks)
+        total += ns_flops(m, n, steps, gram=gram, blocks=blocks)
+    return total
+
+
+def describe_cost(shapes, steps: int, iteration: str, coefficients: str, blocks: int = 1) -> str:
+    """The log line of what Muon's orthogonalisation costs a step (docs/PERF.md 3.7: at 4096-wide drafters it
+    exceeds a 1-sequence DSpark step, so it is said where a run starts)."""
+    tflop = step_ns_flops(shapes, steps, iteration, blocks) / 1e12
+    hint = ("; optim.muon_coefficients=polar_express optim.muon_ns_steps=4 optim.muon_polar_lower=3e-3 runs one "
+            "iteration fewer at equal tau (docs/LOG.md, session 30)" if (coefficients, steps) == ("torch", 5) else "")
+    return (f"optim: Muon orthogonalises {len(shapes)} matrices a step: {tflop:.3g} TFLOP of matmuls ({iteration}, "
+            f"{coefficients} x {steps}) whatever the step's batch, shared by its sequences (recipes.py){hint}")
+
+
 def uses_gram(short: int, long: int, steps: int, blocks: int = 1) -> bool:
     """Whether `gram` (`gram_symmetric` with `blocks`) runs a [short, long] batch in the Gram form: when it
     takes fewer FLOPs than the standard form (5 steps: 28 m^3 + 8 m^2 n against 10 m^3 + 20 m^2 n, i.e.

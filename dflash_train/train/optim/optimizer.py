@@ -22,7 +22,7 @@ import time
 import torch
 
 from dflash_train.config import OptimConfig
-from dflash_train.train.optim.muon import MuonAdamW, describe_split, muon_split
+from dflash_train.train.optim.muon import MuonAdamW, describe_cost, describe_split, muon_split
 
 DECIDE_AFTER = 30  # a time budget decides the step count after this many steps ...
 MEASURE_AFTER = 10  # ... from the rate over the steps after this many: compilation, autotuning and
@@ -156,6 +156,8 @@ def build_optimizer(params, cfg: OptimConfig, total_steps: int, budget: TimeBudg
             raise ValueError("optim.name=muon: the drafter has no 2-D hidden matrix for Muon")
         if log is not None:
             log(describe_split(muon, adamw))
+            log(describe_cost([tuple(p.shape) for _, p in muon], cfg.muon_ns_steps, cfg.muon_iteration,
+                              cfg.muon_coefficients, cfg.muon_gram_blocks))
         named = adamw
     optimizer = _adamw([p for _, p in named], cfg, cuda, master)
     if cfg.name == "muon":

@@ -21,8 +21,8 @@ from dflash_train.train.optim import muon as muon_module
 from torch.utils.flop_counter import FlopCounterMode
 
 from bench.flops import PAPER, drafter_matrix_shapes, newton_schulz_flops
-from dflash_train.train.optim.muon import (TORCH_COEFFICIENTS, Muon, MuonAdamW, gram_orthogonalise,
-                                           ns_flops, ns_schedule, orthogonalise, uses_gram)
+from dflash_train.train.optim.muon import (TORCH_COEFFICIENTS, Muon, MuonAdamW, describe_cost, gram_orthogonalise,
+                                           ns_flops, ns_schedule, orthogonalise, step_ns_flops, uses_gram)
 from dflash_train.train.optim.optimizer import MasterWeightAdamW
 from dflash_train.train.optim.polar_express import PUBLISHED_SCHEDULE
 from dflash_train.train.step import clip_and_step, health_flags, total_grad_norm
@@ -292,6 +292,20 @@ def test_the_flop_counts_are_what_runs():
     assert newton_schulz_flops(shapes, 5, "gram") == 5 * per_layer + closed(4096, 5, True)
     assert round(newton_schulz_flops(shapes, 5, "gram") / 1e12, 1) == 79.5
     assert round(newton_schulz_flops(shapes, 5, "newton_schulz") / 1e12, 1) == 101.3
+
+
+
+@pytest.mark.parametrize("iteration", ["newton_schulz", "gram", "gram_symmetric"])
+def test_the_step_count_the_run_logs_is_what_a_step_runs(iteration):
+    """`step_ns_flops` (the TFLOP the run's `optim:` line says) equals FlopCounterMode over a whole optimizer step
+    of matrices of four shapes, wide and tall, in each form."""
+    model = Stack()
+    opt = _optimizer(model, master=False, iteration=iteration, gram_blocks=4)
+    with FlopCounterMode(display=False) as counter:
+        _step(model, opt, 1)
+    assert counter.get_total_flops() == step_ns_flops(SHAPES, 5, iteration, blocks=4) > 0
+    line = describe_cost(SHAPES, 5, iteration, "torch", 4)
+    assert f"{len(SHAPES)} matrices" in line and f"{step_ns_flops(SHAPES, 5, iteration, 4) / 1e12:.3g} TFLOP" in line
 
 
 # --- several drafter ranks ----------------------------------------------------------------------
