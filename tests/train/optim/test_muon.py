@@ -239,6 +239,7 @@ def test_a_muon_run_resumes_onto_its_uninterrupted_trajectory(target_dir, tmp_pa
     want = trajectory(whole, result)
     out = capsys.readouterr().out
     assert out.count("optim: Muon  8 tensors") == 1 and "optim: AdamW 6 tensors" in out
+    assert out.count("optim: Muon orthogonalises 8 matrices a step: ") == 1
     losses = [r["loss"] for r in want["train"].values()]
     assert losses[-1] < losses[0] - 0.5
     cut = tmp_path / "cut"
