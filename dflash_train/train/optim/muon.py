@@ -214,8 +214,10 @@ def describe_cost(shapes, steps: int, iteration: str, coefficients: str, blocks:
     """The log line of what Muon's orthogonalisation costs a step (docs/PERF.md 3.7: at 4096-wide drafters it
     exceeds a 1-sequence DSpark step, so it is said where a run starts)."""
     tflop = step_ns_flops(shapes, steps, iteration, blocks) / 1e12
-    hint = ("; optim.muon_coefficients=polar_express optim.muon_ns_steps=4 optim.muon_polar_lower=3e-3 runs one "
-            "iteration fewer at equal tau (docs/LOG.md, session 30)" if (coefficients, steps) == ("torch", 5) else "")
+    hint = ""
+    if (coefficients, steps) == ("torch", 5):
+        hint = ("; optim.muon_coefficients=polar_express optim.muon_ns_steps=4 optim.muon_polar_lower=3e-3 runs one "
+                "iteration fewer at equal tau (docs/LOG.md, sessions 30-31: two seeds on the CPU)")
     return (f"optim: Muon orthogonalises {len(shapes)} matrices a step: {tflop:.3g} TFLOP of matmuls ({iteration}, "
             f"{coefficients} x {steps}) whatever the step's batch, shared by its sequences (recipes.py){hint}")
 

@@ -294,7 +294,6 @@ def test_the_flop_counts_are_what_runs():
     assert round(newton_schulz_flops(shapes, 5, "newton_schulz") / 1e12, 1) == 101.3
 
 
-
 @pytest.mark.parametrize("iteration", ["newton_schulz", "gram", "gram_symmetric"])
 def test_the_step_count_the_run_logs_is_what_a_step_runs(iteration):
     """`step_ns_flops` (the TFLOP the run's `optim:` line says) equals FlopCounterMode over a whole optimizer step
